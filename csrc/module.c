@@ -1,0 +1,216 @@
+/* CPython glue for moestream._C: argument checking and GIL release only; no model logic. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "matmul.h"
+
+static const char *isa_names[MS_NUM_ISAS] = {"scalar", "avx2", "avx512"};
+
+/* Fills an ms_matrix from Python arguments and checks every size against the buffers. Returns 0, or
+ * -1 with a Python exception set. The caller releases the buffers. */
+static int make_matrix(int fmt, Py_buffer *w, Py_buffer *s, int has_scales, long long rows, long long cols,
+                       ms_matrix *m) {
+    if (fmt < 0 || fmt >= MS_NUM_FORMATS) {
+        PyErr_Format(PyExc_ValueError, "unknown weight format %d", fmt);
+        return -1;
+    }
+    if (rows <= 0 || cols <= 0) {
+        PyErr_SetString(PyExc_ValueError, "rows and cols must be positive");
+        return -1;
+    }
+    const ms_format_traits *t = &ms_formats[fmt];
+    if (cols % t->block != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: cols %lld is not a multiple of the block size %d", t->name, cols,
+                     t->block);
+        return -1;
+    }
+    m->fmt = (ms_format)fmt;
+    m->rows = rows;
+    m->cols = cols;
+    m->row_bytes = cols / t->block * t->block_bytes;
+    if (w->len < m->row_bytes * rows) {
+        PyErr_Format(PyExc_ValueError, "%s weight buffer has %zd bytes, %lld x %lld needs %lld", t->name, w->len,
+                     rows, cols, (long long)(m->row_bytes * rows));
+        return -1;
+    }
+    m->data = (const uint8_t *)w->buf;
+    m->scales = NULL;
+    if (fmt == MS_FP8_E4M3_B128) {
+        long long need = ((rows + 127) / 128) * ((cols + 127) / 128) * (long long)sizeof(float);
+        if (!has_scales || s->len < need) {
+            PyErr_Format(PyExc_ValueError, "fp8 weight needs a float32 block-scale buffer of %lld bytes", need);
+            return -1;
+        }
+        m->scales = (const float *)s->buf;
+    }
+    return 0;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    int fmt, threads;
+    long long rows, cols;
+    Py_buffer w, s, x, out;
+    PyObject *scales_obj;
+    if (!PyArg_ParseTuple(args, "iy*OLLy*w*i", &fmt, &w, &scales_obj, &rows, &cols, &x, &out, &threads))
+        return NULL;
+    int has_scales = scales_obj != Py_None;
+    if (has_scales && PyObject_GetBuffer(scales_obj, &s, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&w);
+        PyBuffer_Release(&x);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    ms_matrix m;
+    PyObject *ret = NULL;
+    if (make_matrix(fmt, &w, &s, has_scales, rows, cols, &m) < 0) goto done;
+    if (x.len % (cols * (Py_ssize_t)sizeof(float)) != 0) {
+        PyErr_Format(PyExc_ValueError, "x has %zd bytes, not a whole number of f32 rows of %lld", x.len, cols);
+        goto done;
+    }
+    long long T = x.len / (cols * (Py_ssize_t)sizeof(float));
+    if (out.len != T * rows * (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "out has %zd bytes, [%lld, %lld] f32 needs %lld", out.len, T, rows,
+                     T * rows * 4);
+        goto done;
+    }
+    if (((uintptr_t)x.buf | (uintptr_t)out.buf) % sizeof(float) != 0) {
+        PyErr_SetString(PyExc_ValueError, "x and out must be 4-byte aligned");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ms_matmul(&m, (const float *)x.buf, T, (float *)out.buf, threads);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&w);
+    if (has_scales) PyBuffer_Release(&s);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *py_dequant(PyObject *self, PyObject *args) {
+    (void)self;
+    int fmt, threads;
+    long long rows, cols;
+    Py_buffer w, s, out;
+    PyObject *scales_obj;
+    if (!PyArg_ParseTuple(args, "iy*OLLw*i", &fmt, &w, &scales_obj, &rows, &cols, &out, &threads)) return NULL;
+    int has_scales = scales_obj != Py_None;
+    if (has_scales && PyObject_GetBuffer(scales_obj, &s, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&w);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    ms_matrix m;
+    PyObject *ret = NULL;
+    if (make_matrix(fmt, &w, &s, has_scales, rows, cols, &m) < 0) goto done;
+    if (out.len != rows * cols * (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "out has %zd bytes, [%lld, %lld] f32 needs %lld", out.len, rows, cols,
+                     rows * cols * 4);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ms_dequant(&m, (float *)out.buf, threads);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&w);
+    if (has_scales) PyBuffer_Release(&s);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *py_memread(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*i", &b, &threads)) return NULL;
+    double r;
+    Py_BEGIN_ALLOW_THREADS
+    r = ms_memread((const uint8_t *)b.buf, b.len, threads);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyFloat_FromDouble(r);
+}
+
+static PyObject *py_get_isa(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyUnicode_FromString(isa_names[ms_get_isa()]);
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    for (int i = 0; i < MS_NUM_ISAS; i++) {
+        if (strcmp(name, isa_names[i]) == 0) {
+            if (ms_set_isa((ms_isa)i) < 0) {
+                PyErr_Format(PyExc_ValueError, "this CPU does not support the %s kernels", name);
+                return NULL;
+            }
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
+    return NULL;
+}
+
+static PyObject *py_supported_isas(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    PyObject *l = PyList_New(0);
+    if (!l) return NULL;
+    for (int i = 0; i < MS_NUM_ISAS; i++) {
+        if (ms_isa_supported((ms_isa)i)) {
+            PyObject *s = PyUnicode_FromString(isa_names[i]);
+            if (!s || PyList_Append(l, s) < 0) {
+                Py_XDECREF(s);
+                Py_DECREF(l);
+                return NULL;
+            }
+            Py_DECREF(s);
+        }
+    }
+    return l;
+}
+
+static PyObject *py_formats(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    PyObject *l = PyList_New(MS_NUM_FORMATS);
+    if (!l) return NULL;
+    for (int i = 0; i < MS_NUM_FORMATS; i++) {
+        PyObject *t = Py_BuildValue("(sii)", ms_formats[i].name, ms_formats[i].block, ms_formats[i].block_bytes);
+        if (!t) {
+            Py_DECREF(l);
+            return NULL;
+        }
+        PyList_SET_ITEM(l, i, t);
+    }
+    return l;
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS,
+     "matmul(fmt, w, scales, rows, cols, x, out, threads): out[T, rows] = x[T, cols] @ W.T"},
+    {"dequant", py_dequant, METH_VARARGS, "dequant(fmt, w, scales, rows, cols, out, threads): W as f32"},
+    {"memread", py_memread, METH_VARARGS, "memread(buffer, threads): read every byte (bandwidth baseline)"},
+    {"get_isa", py_get_isa, METH_NOARGS, "the instruction set the kernels use"},
+    {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): force scalar, avx2 or avx512"},
+    {"supported_isas", py_supported_isas, METH_NOARGS, "instruction sets this CPU supports"},
+    {"formats", py_formats, METH_NOARGS, "the format table: (name, block, block_bytes) per format id"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "moestream._C", "moestream C kernels", -1, methods,
+                                       NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__C(void) {
+    ms_init();
+    return PyModule_Create(&moduledef);
+}

@@ -1,0 +1,83 @@
+/* Weight formats: one row of the table per format.
+ *
+ * A weight matrix W is [rows, cols] (as stored in checkpoints: out x in). Each format stores a row as
+ * consecutive blocks of `block` elements in `block_bytes` bytes; some formats also carry a separate
+ * scale array (fp8 block scales). Every format provides, per instruction set:
+ *   - dequant: one row to f32 (bit-exact across ISAs, tested against the numpy oracle);
+ *   - dot4: up to 4 rows against one f32 vector.
+ *
+ * Canonical reduction order (so that scalar, AVX2 and AVX-512 agree bit for bit, and so that a row's
+ * result never depends on the thread count or on how many tokens are in the batch): element i is
+ * accumulated into lane (i mod 16) with a fused multiply-add, lanes are then added as a fixed tree
+ * (lane j += lane j+8, then +4, +2, +1). */
+#ifndef MOESTREAM_QUANT_H
+#define MOESTREAM_QUANT_H
+
+#include <stdint.h>
+
+#define MS_LANES 16
+
+typedef enum {
+    MS_F32 = 0,
+    MS_BF16 = 1,
+    MS_F16 = 2,
+    MS_FP8_E4M3_B128 = 3, /* e4m3 bytes with a f32 scale per 128x128 block (DeepSeek-V3 weight_scale_inv) */
+    MS_NUM_FORMATS
+} ms_format;
+
+typedef enum { MS_ISA_SCALAR = 0, MS_ISA_AVX2 = 1, MS_ISA_AVX512 = 2, MS_NUM_ISAS } ms_isa;
+
+/* A weight matrix as the kernels see it. */
+typedef struct {
+    ms_format fmt;
+    const uint8_t *data;  /* rows * row_bytes */
+    const float *scales;  /* fp8: [ceil(rows/128), ceil(cols/128)] f32; NULL otherwise */
+    int64_t rows, cols;
+    int64_t row_bytes;
+} ms_matrix;
+
+/* out[r] = dot(W[row0 + r, :], x) for r < nrows (nrows <= 4). */
+typedef void (*ms_dot4_fn)(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
+/* out[0:cols] = W[row, :] as f32. */
+typedef void (*ms_dequant_fn)(const ms_matrix *m, int64_t row, float *out);
+
+typedef struct {
+    const char *name;
+    int block;       /* elements per block */
+    int block_bytes; /* bytes per block */
+    ms_dot4_fn dot4[MS_NUM_ISAS];
+    ms_dequant_fn dequant[MS_NUM_ISAS];
+} ms_format_traits;
+
+extern const ms_format_traits ms_formats[MS_NUM_FORMATS];
+
+/* Shared helpers for the per-ISA files. */
+float ms_lanes_reduce(const float lanes[MS_LANES]);
+extern float ms_fp8_e4m3_lut[256]; /* filled by ms_quant_init() */
+void ms_quant_init(void);
+
+static inline float ms_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+float ms_f16_to_f32(uint16_t h);
+
+static inline const float *ms_fp8_scale_row(const ms_matrix *m, int64_t row) {
+    int64_t ncb = (m->cols + 127) / 128;
+    return m->scales + (row / 128) * ncb;
+}
+
+/* Per-format, per-ISA kernels: quant_float.c (scalar), quant_float_avx2.c, quant_float_avx512.c. */
+#define MS_DECLARE_FORMAT(NAME, ISA)                                                            \
+    void ms_dot4_##NAME##_##ISA(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out); \
+    void ms_dequant_##NAME##_##ISA(const ms_matrix *m, int64_t row, float *out);
+#define MS_DECLARE_ALL_ISAS(NAME) \
+    MS_DECLARE_FORMAT(NAME, scalar) MS_DECLARE_FORMAT(NAME, avx2) MS_DECLARE_FORMAT(NAME, avx512)
+MS_DECLARE_ALL_ISAS(f32)
+MS_DECLARE_ALL_ISAS(bf16)
+MS_DECLARE_ALL_ISAS(f16)
+MS_DECLARE_ALL_ISAS(fp8)
+
+#endif

@@ -1,0 +1,86 @@
+/* Generator for the SIMD dot kernels of the float formats. Included by quant_float_avx2.c and
+ * quant_float_avx512.c after they define:
+ *   VEC, VZERO(), VFMA(a, b, c) = a*b + c, VLOADX(p), VSTORE(p, v), VW  = lanes per vector
+ *   NV = MS_LANES / VW vectors per 16-element step
+ *   LOAD_<FMT>(rowctx, i, w[NV])  the 16 weights starting at element i as f32 vectors
+ * Each row keeps NV accumulators that together are the 16 canonical lanes; the tail is finished
+ * with scalar fmaf on the same lanes, then ms_lanes_reduce, exactly as the scalar path. */
+
+typedef struct {
+    const uint8_t *p;  /* row start */
+    const float *s;    /* fp8: this row's block scales */
+} rowctx;
+
+static inline rowctx row_at(const ms_matrix *m, int64_t row) {
+    rowctx c;
+    c.p = m->data + row * m->row_bytes;
+    c.s = m->fmt == MS_FP8_E4M3_B128 ? ms_fp8_scale_row(m, row) : NULL;
+    return c;
+}
+
+#define DEFINE_DOT(NAME, ISA, LOADFN, ELEMFN)                                                       \
+    void ms_dot4_##NAME##_##ISA(const ms_matrix *m, int64_t row0, int nrows, const float *x,         \
+                                  float *out) {                                                     \
+        const int64_t n = m->cols;                                                                  \
+        const int64_t n16 = n & ~(int64_t)(MS_LANES - 1);                                          \
+        if (nrows == 4) {                                                                           \
+            rowctx c0 = row_at(m, row0), c1 = row_at(m, row0 + 1), c2 = row_at(m, row0 + 2),       \
+                   c3 = row_at(m, row0 + 3);                                                        \
+            VEC a0[NV], a1[NV], a2[NV], a3[NV];                                                     \
+            for (int v = 0; v < NV; v++) a0[v] = a1[v] = a2[v] = a3[v] = VZERO();                  \
+            for (int64_t i = 0; i < n16; i += MS_LANES) {                                           \
+                VEC xv[NV], w[NV];                                                                  \
+                for (int v = 0; v < NV; v++) xv[v] = VLOADX(x + i + v * VW);                        \
+                LOADFN(c0, i, w);                                                                   \
+                for (int v = 0; v < NV; v++) a0[v] = VFMA(w[v], xv[v], a0[v]);                      \
+                LOADFN(c1, i, w);                                                                   \
+                for (int v = 0; v < NV; v++) a1[v] = VFMA(w[v], xv[v], a1[v]);                      \
+                LOADFN(c2, i, w);                                                                   \
+                for (int v = 0; v < NV; v++) a2[v] = VFMA(w[v], xv[v], a2[v]);                      \
+                LOADFN(c3, i, w);                                                                   \
+                for (int v = 0; v < NV; v++) a3[v] = VFMA(w[v], xv[v], a3[v]);                      \
+            }                                                                                       \
+            VEC *accs[4] = {a0, a1, a2, a3};                                                        \
+            rowctx cs[4] = {c0, c1, c2, c3};                                                        \
+            for (int r = 0; r < 4; r++) {                                                           \
+                float lanes[MS_LANES];                                                              \
+                for (int v = 0; v < NV; v++) VSTORE(lanes + v * VW, accs[r][v]);                    \
+                for (int64_t i = n16; i < n; i++)                                                   \
+                    lanes[i & (MS_LANES - 1)] = fmaf(ELEMFN(cs[r], i), x[i], lanes[i & (MS_LANES - 1)]); \
+                out[r] = ms_lanes_reduce(lanes);                                                    \
+            }                                                                                       \
+            return;                                                                                 \
+        }                                                                                           \
+        for (int r = 0; r < nrows; r++) {                                                           \
+            rowctx c = row_at(m, row0 + r);                                                         \
+            VEC a[NV];                                                                              \
+            for (int v = 0; v < NV; v++) a[v] = VZERO();                                            \
+            for (int64_t i = 0; i < n16; i += MS_LANES) {                                           \
+                VEC w[NV];                                                                          \
+                LOADFN(c, i, w);                                                                    \
+                for (int v = 0; v < NV; v++) a[v] = VFMA(w[v], VLOADX(x + i + v * VW), a[v]);       \
+            }                                                                                       \
+            float lanes[MS_LANES];                                                                  \
+            for (int v = 0; v < NV; v++) VSTORE(lanes + v * VW, a[v]);                              \
+            for (int64_t i = n16; i < n; i++)                                                       \
+                lanes[i & (MS_LANES - 1)] = fmaf(ELEMFN(c, i), x[i], lanes[i & (MS_LANES - 1)]);    \
+            out[r] = ms_lanes_reduce(lanes);                                                        \
+        }                                                                                           \
+    }                                                                                               \
+    void ms_dequant_##NAME##_##ISA(const ms_matrix *m, int64_t row, float *out) {                   \
+        rowctx c = row_at(m, row);                                                                  \
+        const int64_t n = m->cols;                                                                  \
+        const int64_t n16 = n & ~(int64_t)(MS_LANES - 1);                                          \
+        for (int64_t i = 0; i < n16; i += MS_LANES) {                                               \
+            VEC w[NV];                                                                              \
+            LOADFN(c, i, w);                                                                        \
+            for (int v = 0; v < NV; v++) VSTORE(out + i + v * VW, w[v]);                            \
+        }                                                                                           \
+        for (int64_t i = n16; i < n; i++) out[i] = ELEMFN(c, i);                                    \
+    }
+
+/* Scalar element accessors for the tails (shared by both ISAs). */
+#define ELEM_F32(c, i) (((const float *)(c).p)[i])
+#define ELEM_BF16(c, i) ms_bf16_to_f32(((const uint16_t *)(c).p)[i])
+#define ELEM_F16(c, i) ms_f16_to_f32(((const uint16_t *)(c).p)[i])
+#define ELEM_FP8(c, i) (ms_fp8_e4m3_lut[(c).p[i]] * (c).s[(i) / 128])

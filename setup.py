@@ -1,0 +1,24 @@
+"""Build of the private C extension moestream._C (everything else is in pyproject.toml)."""
+
+from setuptools import Extension, setup
+
+SOURCES = [
+    "csrc/module.c",
+    "csrc/matmul.c",
+    "csrc/threadpool.c",
+    "csrc/quant_float.c",
+    "csrc/quant_float_avx2.c",
+    "csrc/quant_float_avx512.c",
+]
+
+setup(
+    ext_modules=[
+        Extension(
+            "moestream._C",
+            sources=SOURCES,
+            depends=["csrc/quant.h", "csrc/matmul.h", "csrc/threadpool.h", "csrc/quant_float_simd.h"],
+            extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-pthread"],
+            extra_link_args=["-pthread", "-lm"],
+        )
+    ]
+)
