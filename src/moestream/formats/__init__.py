@@ -1,0 +1,1 @@
+"""Checkpoint file formats: safetensors (header parsed by us for byte offsets) and directories."""

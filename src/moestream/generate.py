@@ -1,0 +1,133 @@
+"""The Python API: load a checkpoint directory, tokenize, compute logits, generate tokens.
+
+    import moestream
+    model = moestream.load("path/to/checkpoint", threads=2)
+    ids = model.tokenize("def fibonacci(n):")
+    for token in model.generate(ids, max_new_tokens=32):
+        print(model.detokenize([token]), end="")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from . import models
+from .config import ModelSpec
+from .errors import InputError
+from .formats.checkpoint import Checkpoint
+from .models.base import Ctx, Decoder, State
+from .tokenizer import Tokenizer, load_tokenizer
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Model:
+    def __init__(self, path: Path, spec: ModelSpec, decoder: Decoder, tokenizer: Tokenizer | None, threads: int):
+        self.path = path
+        self.spec = spec
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.ctx = Ctx(threads=threads)
+
+    @property
+    def threads(self) -> int:
+        return self.ctx.threads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None:
+            ids.update(self.tokenizer.eos_ids)
+        return tuple(sorted(ids))
+
+    # ---- text ------------------------------------------------------------------------------------
+
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InputError(f"{self.path}: the model has no tokenizer (tokenizer.json or tiktoken.model); use ids")
+        return self.tokenizer
+
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return self._need_tokenizer().encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._need_tokenizer().decode(list(ids))
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise InputError("the prompt is empty")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return ids
+
+    # ---- compute ---------------------------------------------------------------------------------
+
+    def new_state(self) -> State:
+        return self.decoder.new_state()
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] for every position, computed from scratch in one batch."""
+        ids = self.check_ids(ids)
+        return self.decoder.forward(ids, self.new_state(), self.ctx, all_logits=True)
+
+    def generate(
+        self,
+        prompt: list[int] | str,
+        max_new_tokens: int = 32,
+        *,
+        use_cache: bool = True,
+        stop_at_eos: bool = True,
+        logits_out: list[np.ndarray] | None = None,
+        state: State | None = None,
+    ) -> Iterator[int]:
+        """Greedy generation, yielding token ids as they are chosen. With use_cache=False every step
+        recomputes the whole sequence (for checking). logits_out, if given, receives the logits
+        [vocab] each token was chosen from."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else self.check_ids(prompt)
+        if max_new_tokens <= 0:
+            return
+        eos = set(self.eos_ids) if stop_at_eos else set()
+        st = state if state is not None else self.new_state()
+        seq = list(st.ids) + ids
+        logits = self.decoder.forward(ids, st, self.ctx)[0]
+        for n in range(max_new_tokens):
+            token = int(np.argmax(logits))
+            if logits_out is not None:
+                logits_out.append(logits)
+            yield token
+            seq.append(token)
+            if token in eos or n == max_new_tokens - 1:
+                return
+            if use_cache:
+                logits = self.decoder.forward([token], st, self.ctx)[0]
+            else:
+                logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
+
+
+def load(path: str | os.PathLike[str], threads: int | None = None) -> Model:
+    """Opens a checkpoint directory (config.json + safetensors + tokenizer). Weights are memory-mapped
+    and multiplied in their stored format; nothing is converted up front."""
+    p = Path(path)
+    ckpt = Checkpoint(p)
+    spec = models.read_spec(ckpt.config)
+    decoder = models.build(ckpt, spec)
+    tok = load_tokenizer(p)
+    n = default_threads() if threads is None else int(threads)
+    if n < 1:
+        raise InputError(f"threads must be at least 1, got {n}")
+    return Model(p, spec, decoder, tok, n)

@@ -1,0 +1,513 @@
+"""Shared blocks of every decoder: norms, rotary embeddings, GQA and MLA attention with their caches,
+dense and MoE feed-forward layers, and the decoder that strings them together.
+
+Shapes: T = tokens in this call, S = positions attended to (cache + new), E = hidden size,
+H = attention heads, KV = key/value heads, D = head dim. Activations are float32 numpy arrays; every
+weight product goes through a C kernel (quant.Weight) straight from the checkpoint bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..config import RopeSpec
+from ..quant import Weight
+
+
+@dataclass
+class Ctx:
+    """Per-call execution settings."""
+
+    threads: int = 1
+
+
+# ---- elementwise blocks ---------------------------------------------------------------------------
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., n] * rsqrt(mean(x^2) + eps) * w, in float32 as transformers computes it."""
+    var = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    return (w * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))).astype(np.float32, copy=False)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+class Linear:
+    """y = x W^T (+ b); W in any kernel format."""
+
+    def __init__(self, weight: Weight, bias: np.ndarray | None = None):
+        self.weight = weight
+        self.bias = None if bias is None else np.asarray(bias, dtype=np.float32)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.rows
+
+    def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        y = self.weight.matmul(x, ctx.threads)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+
+# ---- rotary embeddings ----------------------------------------------------------------------------
+
+
+class Rope:
+    """Rotary position embedding (default, linear or YaRN), computed in float32 like transformers."""
+
+    def __init__(self, spec: RopeSpec):
+        self.spec = spec
+        dim = spec.dim
+        pos_freqs = np.float32(spec.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+        inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
+        self.attention_factor = 1.0
+        if spec.kind == "linear":
+            inv_freq = (inv_freq / np.float32(spec.factor)).astype(np.float32)
+        elif spec.kind == "yarn":
+            inv_freq, self.attention_factor = self._yarn(spec, pos_freqs)
+        self.inv_freq = inv_freq
+
+    @staticmethod
+    def _yarn(spec: RopeSpec, pos_freqs: np.ndarray) -> tuple[np.ndarray, float]:
+        dim, factor = spec.dim, spec.factor
+
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        if spec.attention_factor is not None:
+            attention_factor = spec.attention_factor
+        elif spec.mscale and spec.mscale_all_dim:
+            attention_factor = get_mscale(factor, spec.mscale) / get_mscale(factor, spec.mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+
+        def correction_dim(rot: float) -> float:
+            return (dim * math.log(spec.original_max_position_embeddings / (rot * 2 * math.pi))) / (
+                2 * math.log(spec.theta)
+            )
+
+        low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
+        if spec.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        extrapolation_factor = (np.float32(1) - ramp).astype(np.float32)
+        inv_extra = np.float32(1.0) / pos_freqs
+        inv_inter = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+        inv_freq = inv_inter * (np.float32(1) - extrapolation_factor) + inv_extra * extrapolation_factor
+        return inv_freq.astype(np.float32), float(attention_factor)
+
+    def cos_sin(self, pos0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [n, dim/2] for positions pos0 .. pos0+n-1."""
+        freqs = np.arange(pos0, pos0 + n, dtype=np.float32)[:, None] * self.inv_freq[None, :]
+        af = np.float32(self.attention_factor)
+        return (np.cos(freqs) * af).astype(np.float32), (np.sin(freqs) * af).astype(np.float32)
+
+    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x [T, heads, dim] -> rotated, in the layout transformers produces."""
+        half = x.shape[-1] // 2
+        if self.spec.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x[..., :half], x[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
+
+
+# ---- attention ------------------------------------------------------------------------------------
+
+
+class Cache(Protocol):
+    length: int
+
+
+def _grow(buf: np.ndarray, axis: int, need: int) -> np.ndarray:
+    if buf.shape[axis] >= need:
+        return buf
+    shape = list(buf.shape)
+    shape[axis] = max(need, 2 * shape[axis], 16)
+    out = np.zeros(shape, np.float32)
+    sl = [slice(None)] * buf.ndim
+    sl[axis] = slice(0, buf.shape[axis])
+    out[tuple(sl)] = buf
+    return out
+
+
+@dataclass
+class KVCache:
+    """GQA cache: k, v [KV, capacity, D] of which the first `length` positions are filled."""
+
+    k: np.ndarray
+    v: np.ndarray
+    length: int = 0
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """k, v [T, KV, D] -> all keys and values [KV, S, D]."""
+        n = self.length + k.shape[0]
+        self.k = _grow(self.k, 1, n)
+        self.v = _grow(self.v, 1, n)
+        self.k[:, self.length : n] = k.transpose(1, 0, 2)
+        self.v[:, self.length : n] = v.transpose(1, 0, 2)
+        self.length = n
+        return self.k[:, :n], self.v[:, :n]
+
+
+def causal_mask(pos0: int, t: int, s: int, window: int | None = None) -> np.ndarray:
+    """[t, s] additive mask: query at position pos0+i sees key j iff j <= pos0+i (and within window)."""
+    qpos = np.arange(pos0, pos0 + t)[:, None]
+    kpos = np.arange(s)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    return np.where(allowed, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+
+
+class GQAttention:
+    """Grouped-query attention with RoPE (Qwen3-MoE: per-head q/k RMSNorm before RoPE)."""
+
+    def __init__(
+        self,
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        rope: Rope,
+        q_norm: np.ndarray | None = None,
+        k_norm: np.ndarray | None = None,
+        norm_eps: float = 1e-6,
+        sliding_window: int | None = None,
+    ):
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rope = rope
+        self.q_norm, self.k_norm, self.norm_eps = q_norm, k_norm, norm_eps
+        self.sliding_window = sliding_window
+        self.scaling = np.float32(head_dim**-0.5)
+
+    def new_cache(self) -> KVCache:
+        z = np.zeros((self.kv_heads, 0, self.head_dim), np.float32)
+        return KVCache(z, z.copy())
+
+    def __call__(self, x: np.ndarray, cache: KVCache, ctx: Ctx) -> np.ndarray:
+        T = x.shape[0]
+        pos0 = cache.length
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        q = self.q(x, ctx).reshape(T, H, D)  # [T, H, D]
+        k = self.k(x, ctx).reshape(T, KV, D)  # [T, KV, D]
+        v = self.v(x, ctx).reshape(T, KV, D)  # [T, KV, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, self.norm_eps)
+            k = rms_norm(k, self.k_norm, self.norm_eps)
+        cos, sin = self.rope.cos_sin(pos0, T)
+        q = self.rope.apply(q, cos, sin)
+        k = self.rope.apply(k, cos, sin)
+        keys, values = cache.append(k, v)  # [KV, S, D]
+        S = keys.shape[1]
+        rep = H // KV
+        qg = q.transpose(1, 0, 2).reshape(KV, rep * T, D)  # [KV, rep*T, D]
+        scores = np.matmul(qg, keys.transpose(0, 2, 1)) * self.scaling  # [KV, rep*T, S]
+        scores = scores.reshape(KV, rep, T, S) + causal_mask(pos0, T, S, self.sliding_window)
+        p = softmax(scores).reshape(KV, rep * T, S)
+        o = np.matmul(p, values).reshape(H, T, D).transpose(1, 0, 2).reshape(T, H * D)  # [T, H*D]
+        return self.o(o, ctx)
+
+
+@dataclass
+class LatentCache:
+    """MLA cache of the latent only: c [capacity, kv_lora_rank] (after kv_a_layernorm) and the shared
+    rotated key k_r [capacity, rope_dim]."""
+
+    c: np.ndarray
+    kr: np.ndarray
+    length: int = 0
+
+    def append(self, c: np.ndarray, kr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = self.length + c.shape[0]
+        self.c = _grow(self.c, 0, n)
+        self.kr = _grow(self.kr, 0, n)
+        self.c[self.length : n] = c
+        self.kr[self.length : n] = kr
+        self.length = n
+        return self.c[:n], self.kr[:n]
+
+
+class MLAttention:
+    """Multi-head latent attention (DeepSeek-V3 / Kimi K2). Prefill expands k and v from the latent;
+    decode (one token) uses the absorbed form: kv_b_proj folded into the query and into the output,
+    so only the latent is ever cached."""
+
+    def __init__(
+        self,
+        q_proj: Linear | None,
+        q_a_proj: Linear | None,
+        q_a_norm: np.ndarray | None,
+        q_b_proj: Linear | None,
+        kv_a_proj: Linear,
+        kv_a_norm: np.ndarray,
+        kv_b_proj: Linear,
+        o_proj: Linear,
+        heads: int,
+        nope_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        kv_lora_rank: int,
+        rope: Rope | None,
+        scaling: float,
+        norm_eps: float,
+    ):
+        self.q_proj, self.q_a_proj, self.q_a_norm, self.q_b_proj = q_proj, q_a_proj, q_a_norm, q_b_proj
+        self.kv_a_proj, self.kv_a_norm, self.kv_b_proj, self.o_proj = kv_a_proj, kv_a_norm, kv_b_proj, o_proj
+        self.heads, self.nope, self.rope_dim, self.v_dim, self.rank = heads, nope_dim, rope_dim, v_dim, kv_lora_rank
+        self.rope = rope
+        self.scaling = np.float32(scaling)
+        self.norm_eps = norm_eps
+        self._absorbed: tuple[np.ndarray, np.ndarray] | None = None
+
+    def new_cache(self) -> LatentCache:
+        return LatentCache(np.zeros((0, self.rank), np.float32), np.zeros((0, self.rope_dim), np.float32))
+
+    def _query(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        if self.q_proj is not None:
+            return self.q_proj(x, ctx)
+        assert self.q_a_proj is not None and self.q_b_proj is not None and self.q_a_norm is not None
+        return self.q_b_proj(rms_norm(self.q_a_proj(x, ctx), self.q_a_norm, self.norm_eps), ctx)
+
+    def absorbed(self) -> tuple[np.ndarray, np.ndarray]:
+        """W_uk^T [H, rank, nope] and W_uv [H, v, rank] from kv_b_proj [H*(nope+v), rank], as f32."""
+        if self._absorbed is None:
+            w = self.kv_b_proj.weight.dequantize().reshape(self.heads, self.nope + self.v_dim, self.rank)
+            self._absorbed = (
+                np.ascontiguousarray(w[:, : self.nope, :].transpose(0, 2, 1)),
+                np.ascontiguousarray(w[:, self.nope :, :]),
+            )
+        return self._absorbed
+
+    def __call__(self, x: np.ndarray, cache: LatentCache, ctx: Ctx) -> np.ndarray:
+        T = x.shape[0]
+        pos0 = cache.length
+        H, N, R, V = self.heads, self.nope, self.rope_dim, self.v_dim
+        q = self._query(x, ctx).reshape(T, H, N + R)  # [T, H, nope+rope]
+        q_nope, q_rot = q[..., :N], q[..., N:]
+        ckv = self.kv_a_proj(x, ctx)  # [T, rank + rope]
+        c = rms_norm(ckv[:, : self.rank], self.kv_a_norm, self.norm_eps)  # [T, rank]
+        k_rot = ckv[:, None, self.rank :]  # [T, 1, rope]: one rotary key shared by all heads
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(pos0, T)
+            q_rot = self.rope.apply(q_rot, cos, sin)
+            k_rot = self.rope.apply(k_rot, cos, sin)
+        c_all, kr_all = cache.append(c, k_rot[:, 0])  # [S, rank], [S, rope]
+        S = c_all.shape[0]
+        if T == 1:
+            w_uk_t, w_uv = self.absorbed()
+            q_lat = np.einsum("hn,hrn->hr", q_nope[0], w_uk_t)  # [H, rank]
+            scores = (q_lat @ c_all.T + q_rot[0] @ kr_all.T) * self.scaling  # [H, S]
+            p = softmax(scores)
+            o_lat = p @ c_all  # [H, rank]
+            o = np.einsum("hvr,hr->hv", w_uv, o_lat).reshape(1, H * V)  # [1, H*v]
+        else:
+            kv = self.kv_b_proj(c_all, ctx).reshape(S, H, N + V)  # [S, H, nope+v]
+            k_nope, v = kv[..., :N], kv[..., N:]
+            scores = np.matmul(q_nope.transpose(1, 0, 2), k_nope.transpose(1, 2, 0))  # [H, T, S]
+            scores += np.matmul(q_rot.transpose(1, 0, 2), kr_all.T[None])
+            scores = scores * self.scaling + causal_mask(pos0, T, S)
+            p = softmax(scores)
+            o = np.matmul(p, v.transpose(1, 0, 2)).transpose(1, 0, 2).reshape(T, H * V)  # [T, H*v]
+        return self.o_proj(o.astype(np.float32), ctx)
+
+
+# ---- feed-forward ---------------------------------------------------------------------------------
+
+
+class DenseMLP:
+    """down(silu(gate x) * up x)."""
+
+    def __init__(self, gate: Weight, up: Weight, down: Weight):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        g = self.gate.matmul(x, ctx.threads)
+        u = self.up.matmul(x, ctx.threads)
+        return self.down.matmul(silu(g) * u, ctx.threads)
+
+
+class Router(Protocol):
+    def __call__(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
+        """x [T, E] -> (expert ids [T, k] int64, weights [T, k] f32), in the order outputs are summed."""
+        ...
+
+
+def topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest per row, largest first; ties go to the lower index."""
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    return order[:, :k]
+
+
+class SoftmaxRouter:
+    """Softmax over all experts, top-k, optional renormalisation (Mixtral, Qwen3-MoE)."""
+
+    def __init__(self, gate: Weight, top_k: int, renormalize: bool):
+        self.gate, self.top_k, self.renormalize = gate, top_k, renormalize
+
+    def __call__(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
+        probs = softmax(self.gate.matmul(x, ctx.threads))  # [T, n_experts]
+        idx = topk_desc(probs, self.top_k)
+        w = np.take_along_axis(probs, idx, axis=-1)
+        if self.renormalize:
+            w = w / np.sum(w, axis=-1, keepdims=True)
+        return idx, w.astype(np.float32)
+
+
+class SigmoidGroupRouter:
+    """DeepSeek-V3 noaux_tc: sigmoid scores; the correction bias steers selection only; groups ranked
+    by the sum of their two best biased scores; weights are the unbiased scores of the chosen
+    experts, optionally renormalised, times routed_scaling_factor."""
+
+    def __init__(
+        self,
+        gate: Weight,
+        bias: np.ndarray | None,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        renormalize: bool,
+        scaling: float,
+    ):
+        self.gate, self.top_k, self.n_group, self.topk_group = gate, top_k, n_group, topk_group
+        self.bias = None if bias is None else np.asarray(bias, np.float32)
+        self.renormalize, self.scaling = renormalize, np.float32(scaling)
+
+    def __call__(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
+        scores = sigmoid(self.gate.matmul(x, ctx.threads))  # [T, n_experts]
+        choice = scores + self.bias if self.bias is not None else scores.copy()
+        T, n = choice.shape
+        if self.n_group > 1:
+            grouped = choice.reshape(T, self.n_group, n // self.n_group)
+            top2 = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)  # [T, n_group]
+            keep = topk_desc(top2, self.topk_group)
+            mask = np.zeros((T, self.n_group), bool)
+            np.put_along_axis(mask, keep, True, axis=-1)
+            choice = np.where(np.repeat(mask, n // self.n_group, axis=-1), choice, -np.inf)
+        idx = topk_desc(choice, self.top_k)
+        w = np.take_along_axis(scores, idx, axis=-1)
+        if self.renormalize:
+            w = w / (np.sum(w, axis=-1, keepdims=True) + np.float32(1e-20))
+        return idx, (w * self.scaling).astype(np.float32)
+
+
+@dataclass
+class Expert:
+    gate: Weight  # [I, E]
+    up: Weight  # [I, E]
+    down: Weight  # [E, I]
+
+    def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        g = self.gate.matmul(x, ctx.threads)
+        u = self.up.matmul(x, ctx.threads)
+        return self.down.matmul(silu(g) * u, ctx.threads)
+
+
+class MoE:
+    """Routed experts (+ shared experts). Each token's outputs are summed in its own top-k order, and
+    a batch is computed expert by expert over the tokens that chose it, so the result for a token is
+    identical whether it comes alone (decode) or in a batch (prefill)."""
+
+    def __init__(self, router: Router, experts: list[Expert], shared: DenseMLP | None):
+        self.router, self.experts, self.shared = router, experts, shared
+
+    def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        T, E = x.shape
+        idx, w = self.router(x, ctx)  # [T, k] each
+        k = idx.shape[1]
+        contrib = np.empty((T, k, E), np.float32)  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
+        for e in np.unique(idx):
+            tok, slot = np.nonzero(idx == e)
+            y = self.experts[int(e)](x[tok], ctx)  # [n, E]
+            contrib[tok, slot] = y * w[tok, slot][:, None]
+        out = contrib[:, 0].copy()
+        for j in range(1, k):
+            out += contrib[:, j]
+        if self.shared is not None:
+            out += self.shared(x, ctx)
+        return out
+
+
+FFN = DenseMLP | MoE
+Attention = GQAttention | MLAttention
+
+
+# ---- the decoder ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Block:
+    input_norm: np.ndarray
+    attn: Attention
+    post_norm: np.ndarray
+    ffn: FFN
+    eps: float
+
+    def __call__(self, x: np.ndarray, cache: Cache, ctx: Ctx) -> np.ndarray:
+        h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, ctx)  # type: ignore[arg-type]
+        return h + self.ffn(rms_norm(h, self.post_norm, self.eps), ctx)
+
+
+@dataclass
+class State:
+    """Everything a sequence carries between calls: the caches of every layer and the ids so far."""
+
+    caches: list[Cache]
+    ids: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+
+class Decoder:
+    """embed -> blocks -> final norm -> lm_head."""
+
+    def __init__(
+        self,
+        embed: Weight,
+        blocks: list[Block],
+        norm: np.ndarray,
+        lm_head: Weight,
+        eps: float,
+        vocab_size: int,
+    ):
+        self.embed, self.blocks, self.norm, self.lm_head, self.eps = embed, blocks, norm, lm_head, eps
+        self.vocab_size = vocab_size
+
+    def new_state(self) -> State:
+        return State([b.attn.new_cache() for b in self.blocks])
+
+    def forward(self, ids: list[int], state: State, ctx: Ctx, all_logits: bool = False) -> np.ndarray:
+        """Runs ids (continuing state) and returns logits [T, vocab] (all_logits) or [1, vocab]."""
+        x = self.embed.dequantize_rows(np.asarray(ids, np.int64))  # [T, E]
+        for block, cache in zip(self.blocks, state.caches, strict=True):
+            x = block(x, cache, ctx)
+        state.ids.extend(int(i) for i in ids)
+        h = rms_norm(x if all_logits else x[-1:], self.norm, self.eps)
+        return self.lm_head.matmul(h, ctx.threads)

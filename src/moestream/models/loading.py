@@ -1,0 +1,79 @@
+"""Turning checkpoint tensors into kernel weights, with every shape checked against the config."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..formats.checkpoint import Checkpoint
+from ..quant import Weight
+from ..quant.formats import fp8_scale_shape
+from .base import Expert
+
+
+class Tensors:
+    """Named access to a checkpoint's tensors; `rename` maps our names to the checkpoint's."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def has(self, name: str) -> bool:
+        return self.ckpt.has(name)
+
+    def weight(self, name: str, rows: int, cols: int) -> Weight:
+        """A [rows, cols] matrix in its stored format (fp8 with its weight_scale_inv block scales)."""
+        arr = self.ckpt.array(name, (rows, cols))
+        return self._weight(name, arr)
+
+    def _weight(self, name: str, arr: np.ndarray, scales: np.ndarray | None = None) -> Weight:
+        info = self.ckpt.info(name)
+        if info.dtype == "F8_E4M3" and scales is None:
+            sname = name.removesuffix("weight") + "weight_scale_inv"
+            scales = self.ckpt.array(sname, fp8_scale_shape(arr.shape[0], arr.shape[1]))
+            if scales.dtype != np.float32:
+                scales = scales.astype(np.float32)
+        try:
+            return Weight(arr, scales)
+        except ValueError as e:
+            raise CheckpointError(f"{self.ckpt.path}: tensor {name}: {e}") from None
+
+    def vector(self, name: str, n: int) -> np.ndarray:
+        return np.asarray(self.ckpt.array(name, (n,)), dtype=np.float32)
+
+    def optional_vector(self, name: str, n: int) -> np.ndarray | None:
+        return self.vector(name, n) if self.has(name) else None
+
+    def experts(
+        self,
+        prefixes: list[str],
+        per_expert: tuple[str, str, str],
+        n: int,
+        hidden: int,
+        inter: int,
+    ) -> list[Expert]:
+        """Routed experts under the first prefix that has them, either one tensor per expert
+        ({prefix}.{e}.{gate|up|down}.weight) or stacked ({prefix}.gate_up_proj [n, 2I, E] and
+        {prefix}.down_proj [n, E, I])."""
+        g, u, d = per_expert
+        for p in prefixes:
+            if self.has(f"{p}.0.{g}.weight"):
+                return [
+                    Expert(
+                        self.weight(f"{p}.{e}.{g}.weight", inter, hidden),
+                        self.weight(f"{p}.{e}.{u}.weight", inter, hidden),
+                        self.weight(f"{p}.{e}.{d}.weight", hidden, inter),
+                    )
+                    for e in range(n)
+                ]
+            if self.has(f"{p}.gate_up_proj"):
+                gu = self.ckpt.array(f"{p}.gate_up_proj", (n, 2 * inter, hidden))
+                dn = self.ckpt.array(f"{p}.down_proj", (n, hidden, inter))
+                return [
+                    Expert(
+                        self._weight(f"{p}.gate_up_proj", gu[e, :inter]),
+                        self._weight(f"{p}.gate_up_proj", gu[e, inter:]),
+                        self._weight(f"{p}.down_proj", dn[e]),
+                    )
+                    for e in range(n)
+                ]
+        raise CheckpointError(f"{self.ckpt.path}: missing tensor {prefixes[0]}.0.{g}.weight (routed experts)")

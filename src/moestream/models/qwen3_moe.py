@@ -1,0 +1,132 @@
+"""Qwen3-MoE (model_type qwen3_moe): GQA with per-head q/k RMSNorm and RoPE, softmax top-k routing,
+dense layers where `mlp_only_layers` / `decoder_sparse_step` say. As transformers' Qwen3MoeForCausalLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Keys, ModelSpec, RopeSpec, check_experts, check_heads, read_common, read_rope
+from ..errors import ConfigError
+from ..formats.checkpoint import Checkpoint
+from .base import Block, Decoder, DenseMLP, GQAttention, Linear, MoE, Rope, SoftmaxRouter
+from .loading import Tensors
+
+
+@dataclass(frozen=True)
+class Qwen3MoeSpec(ModelSpec):
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    moe_intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    rope: RopeSpec | None = None
+
+    def is_sparse(self, layer: int) -> bool:
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def read_spec(config: dict[str, Any]) -> Qwen3MoeSpec:
+    k = Keys(config, "config.json")
+    common = read_common(k, "qwen3_moe")
+    heads = k.req("num_attention_heads", int)
+    kv_heads = k.req("num_key_value_heads", int)
+    check_heads(k, heads, kv_heads)
+    # The released configs say num_experts; transformers >= 5 saves num_local_experts.
+    n_experts_key = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
+    n_experts = k.req(n_experts_key, int)
+    top_k = k.req("num_experts_per_tok", int)
+    check_experts(k, n_experts, top_k, n_experts_key)
+    head_dim = k.opt("head_dim", int, 0) or common["hidden_size"] // heads
+    if not config.get("head_dim") and common["hidden_size"] % heads:
+        raise ConfigError(f"config.json: hidden_size is not a multiple of num_attention_heads {heads}")
+    if head_dim % 2:
+        raise ConfigError(f"config.json: head_dim {head_dim} must be even for RoPE")
+    step = k.opt("decoder_sparse_step", int, 1)
+    k.positive("decoder_sparse_step", step)
+    window = k.opt_none("sliding_window", int) if k.opt("use_sliding_window", bool, False) else None
+    spec = Qwen3MoeSpec(
+        **common,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=k.req("intermediate_size", int),
+        moe_intermediate_size=k.req("moe_intermediate_size", int),
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=k.opt("norm_topk_prob", bool, False),
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(k.opt("mlp_only_layers", list, [])),
+        attention_bias=k.opt("attention_bias", bool, False),
+        sliding_window=window,
+        rope=read_rope(k, head_dim, common["max_position_embeddings"]),
+    )
+    return spec
+
+
+def build(ckpt: Checkpoint, s: Qwen3MoeSpec) -> Decoder:
+    t = Tensors(ckpt)
+    E, H, KV, D = s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim
+    assert s.rope is not None
+    rope = Rope(s.rope)
+
+    def lin(name: str, rows: int, cols: int) -> Linear:
+        b = t.vector(f"{name}.bias", rows) if s.attention_bias else None
+        return Linear(t.weight(f"{name}.weight", rows, cols), b)
+
+    blocks = []
+    for i in range(s.num_hidden_layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        attn = GQAttention(
+            lin(f"{a}.q_proj", H * D, E),
+            lin(f"{a}.k_proj", KV * D, E),
+            lin(f"{a}.v_proj", KV * D, E),
+            lin(f"{a}.o_proj", E, H * D),
+            H,
+            KV,
+            D,
+            rope,
+            q_norm=t.vector(f"{a}.q_norm.weight", D),
+            k_norm=t.vector(f"{a}.k_norm.weight", D),
+            norm_eps=s.rms_norm_eps,
+            sliding_window=s.sliding_window,
+        )
+        m = f"{p}.mlp"
+        ffn: DenseMLP | MoE
+        if s.is_sparse(i):
+            I = s.moe_intermediate_size  # noqa: E741
+            router = SoftmaxRouter(
+                t.weight(f"{m}.gate.weight", s.num_experts, E), s.num_experts_per_tok, s.norm_topk_prob
+            )
+            experts = t.experts([f"{m}.experts"], ("gate_proj", "up_proj", "down_proj"), s.num_experts, E, I)
+            ffn = MoE(router, experts, None)
+        else:
+            ffn = DenseMLP(
+                t.weight(f"{m}.gate_proj.weight", s.intermediate_size, E),
+                t.weight(f"{m}.up_proj.weight", s.intermediate_size, E),
+                t.weight(f"{m}.down_proj.weight", E, s.intermediate_size),
+            )
+        blocks.append(
+            Block(
+                t.vector(f"{p}.input_layernorm.weight", E),
+                attn,
+                t.vector(f"{p}.post_attention_layernorm.weight", E),
+                ffn,
+                s.rms_norm_eps,
+            )
+        )
+    embed = t.weight("model.embed_tokens.weight", s.vocab_size, E)
+    head = embed if s.tie_word_embeddings else t.weight("lm_head.weight", s.vocab_size, E)
+    return Decoder(embed, blocks, t.vector("model.norm.weight", E), head, s.rms_norm_eps, s.vocab_size)

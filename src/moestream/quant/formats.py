@@ -1,0 +1,87 @@
+"""The format table on the Python side: one row per format, the same ids and block sizes as the C table
+in csrc/quant_float.c (checked at import), with the numpy dequantizer that defines each format.
+
+Matmul error bound per format, against dequantize-then-multiply in float64 (tests use these):
+  all float formats: the kernels compute the exact dequantized values and accumulate in f32 with a
+  fixed order, so |err| <= 1e-5 * sum_i |w_i x_i| (f32 accumulation error for the sizes we use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from .. import _C
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    id: int
+    block: int  # elements per block along a row
+    block_bytes: int
+    matmul_rel_bound: float  # see the module docstring
+
+
+FORMATS: dict[str, Format] = {
+    "f32": Format("f32", 0, 1, 4, 1e-5),
+    "bf16": Format("bf16", 1, 1, 2, 1e-5),
+    "f16": Format("f16", 2, 1, 2, 1e-5),
+    "fp8": Format("fp8", 3, 1, 1, 1e-5),  # e4m3 with one f32 scale per 128x128 block
+}
+
+FP8_BLOCK = 128
+
+
+def _check_against_c() -> None:
+    c_table = _C.formats()
+    for f in FORMATS.values():
+        name, block, block_bytes = c_table[f.id]
+        if (name, block, block_bytes) != (f.name, f.block, f.block_bytes):
+            raise ImportError(f"format table mismatch for {f.name}: C has {(name, block, block_bytes)}")
+
+
+_check_against_c()
+
+
+def fp8_scale_shape(rows: int, cols: int) -> tuple[int, int]:
+    return (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+
+
+def dequantize_reference(fmt: Format, data: np.ndarray, scales: np.ndarray | None, rows: int, cols: int) -> np.ndarray:
+    """The definition of each format: raw storage -> float32 [rows, cols]."""
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
+    if fmt.name == "f32":
+        return raw.view(np.float32).copy()
+    if fmt.name == "bf16":
+        return raw.view(ml_dtypes.bfloat16).astype(np.float32)
+    if fmt.name == "f16":
+        return raw.view(np.float16).astype(np.float32)
+    if fmt.name == "fp8":
+        assert scales is not None
+        w = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        s = np.asarray(scales, dtype=np.float32)
+        s_full = np.repeat(np.repeat(s, FP8_BLOCK, axis=0)[:rows], FP8_BLOCK, axis=1)[:, :cols]
+        return (w * s_full).astype(np.float32)
+    raise ValueError(f"no reference for format {fmt.name}")
+
+
+def quantize_fp8_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [rows, cols] -> (e4m3 bytes, f32 block scales), as DeepSeek-V3 checkpoints store them
+    (weight_scale_inv = amax / 448 per 128x128 block; dequantized value = byte * scale)."""
+    rows, cols = w.shape
+    sr, sc = fp8_scale_shape(rows, cols)
+    scales = np.zeros((sr, sc), np.float32)
+    q = np.zeros((rows, cols), ml_dtypes.float8_e4m3fn)
+    for i in range(sr):
+        for j in range(sc):
+            blk = w[i * FP8_BLOCK : (i + 1) * FP8_BLOCK, j * FP8_BLOCK : (j + 1) * FP8_BLOCK].astype(np.float32)
+            amax = float(np.abs(blk).max())
+            s = np.float32(amax / 448.0) if amax > 0 else np.float32(1.0)
+            scales[i, j] = s
+            q[i * FP8_BLOCK : (i + 1) * FP8_BLOCK, j * FP8_BLOCK : (j + 1) * FP8_BLOCK] = (blk / s).astype(
+                ml_dtypes.float8_e4m3fn
+            )
+    return q, scales

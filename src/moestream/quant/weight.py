@@ -1,0 +1,73 @@
+"""A weight matrix [rows, cols] in its stored format, multiplied by the C kernels straight from the
+stored bytes (a memory map of the checkpoint, or a buffer)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .. import _C
+from .formats import FORMATS, Format, dequantize_reference, fp8_scale_shape
+
+_NP_TO_FORMAT = {
+    np.dtype(np.float32): "f32",
+    np.dtype(ml_dtypes.bfloat16): "bf16",
+    np.dtype(np.float16): "f16",
+    np.dtype(ml_dtypes.float8_e4m3fn): "fp8",
+}
+
+
+class Weight:
+    """W [rows, cols]; y = W @ x computed as matmul(x [T, cols]) -> [T, rows]."""
+
+    __slots__ = ("cols", "data", "fmt", "rows", "scales")
+
+    def __init__(self, data: np.ndarray, scales: np.ndarray | None = None):
+        if data.ndim != 2:
+            raise ValueError(f"a weight matrix must be 2-D, got shape {data.shape}")
+        name = _NP_TO_FORMAT.get(data.dtype)
+        if name is None:
+            raise ValueError(f"no kernel for weights of dtype {data.dtype}")
+        self.fmt: Format = FORMATS[name]
+        self.rows, self.cols = (int(d) for d in data.shape)
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        self.data = data
+        if self.fmt.name == "fp8":
+            if scales is None:
+                raise ValueError("fp8 weights need block scales")
+            want = fp8_scale_shape(self.rows, self.cols)
+            if tuple(scales.shape) != want:
+                raise ValueError(f"fp8 block scales have shape {list(scales.shape)}, expected {list(want)}")
+            scales = np.ascontiguousarray(scales, dtype=np.float32)
+        self.scales = scales
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes) + (int(self.scales.nbytes) if self.scales is not None else 0)
+
+    def matmul(self, x: np.ndarray, threads: int = 1) -> np.ndarray:
+        """x [T, cols] f32 -> [T, rows] f32."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim == 1:
+            x = x[None]
+        out = np.empty((x.shape[0], self.rows), np.float32)
+        _C.matmul(self.fmt.id, self.data, self.scales, self.rows, self.cols, x, out, threads)
+        return out
+
+    def dequantize(self, threads: int = 1) -> np.ndarray:
+        out = np.empty((self.rows, self.cols), np.float32)
+        _C.dequant(self.fmt.id, self.data, self.scales, self.rows, self.cols, out, threads)
+        return out
+
+    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Selected rows as f32 (embedding lookups), by the numpy reference."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.fmt.name == "fp8":
+            assert self.scales is not None
+            full = dequantize_reference(self.fmt, self.data, self.scales, self.rows, self.cols)
+            return full[rows]
+        return self.data[rows].astype(np.float32)
+
+    def reference(self) -> np.ndarray:
+        return dequantize_reference(self.fmt, self.data, self.scales, self.rows, self.cols)
