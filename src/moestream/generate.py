@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,33 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0  # time for the tokens after the first
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        n = self.generated_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_seconds": round(self.prefill_seconds, 6),
+            "prefill_tokens_per_second": round(self.prefill_tokens_per_second, 3),
+            "decode_seconds": round(self.decode_seconds, 6),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
+        }
 
 
 class Model:
@@ -94,29 +123,40 @@ class Model:
         stop_at_eos: bool = True,
         logits_out: list[np.ndarray] | None = None,
         state: State | None = None,
+        stats: GenerationStats | None = None,
     ) -> Iterator[int]:
         """Greedy generation, yielding token ids as they are chosen. With use_cache=False every step
         recomputes the whole sequence (for checking). logits_out, if given, receives the logits
-        [vocab] each token was chosen from."""
+        [vocab] each token was chosen from; stats, if given, is filled in as generation goes."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else self.check_ids(prompt)
         if max_new_tokens <= 0:
             return
         eos = set(self.eos_ids) if stop_at_eos else set()
         st = state if state is not None else self.new_state()
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(ids)
         seq = list(st.ids) + ids
-        logits = self.decoder.forward(ids, st, self.ctx)[0]
+        t0 = time.perf_counter()
+        if use_cache:
+            logits = self.decoder.forward(ids, st, self.ctx)[0]
+        else:
+            logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
+        stats.prefill_seconds = time.perf_counter() - t0
         for n in range(max_new_tokens):
             token = int(np.argmax(logits))
             if logits_out is not None:
                 logits_out.append(logits)
+            stats.generated_tokens = n + 1
             yield token
             seq.append(token)
             if token in eos or n == max_new_tokens - 1:
                 return
+            t1 = time.perf_counter()
             if use_cache:
                 logits = self.decoder.forward([token], st, self.ctx)[0]
             else:
                 logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
+            stats.decode_seconds += time.perf_counter() - t1
 
 
 def load(path: str | os.PathLike[str], threads: int | None = None) -> Model:

@@ -1,0 +1,221 @@
+"""The moestream command line: run, synth. Every user error is one line on stderr and a non-zero exit
+code (2 for bad input, 1 for runtime failures, 4 for data integrity); never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError, MoeStreamError
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
+    return v
+
+
+def _parse_ids(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise InputError(f"--ids expects comma-separated integers, got {s!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moestream",
+        description="Run Mixture-of-Experts language models on a CPU, straight from their checkpoints.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="generate text from a prompt", description="Greedy generation from a prompt.")
+    r.add_argument(
+        "model",
+        nargs="?",
+        help="checkpoint directory (config.json + safetensors); omitted: the embedded default model",
+    )
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--prompt", "-p", help="prompt text")
+    src.add_argument("--prompt-file", "-f", type=Path, help="read the prompt text from this file")
+    src.add_argument("--ids", help="prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed)")
+    r.add_argument("--gen", "-n", type=_nonneg_int, default=32, help="tokens to generate (default 32)")
+    r.add_argument("--threads", "-t", type=_positive_int, default=None, help="kernel threads (default: all cores)")
+    r.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (checking)")
+    r.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-text token")
+    r.add_argument("--no-bos", action="store_true", help="do not add the BOS token to a text prompt")
+    r.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (prompt_ids, generated_ids, text, stats) instead of streaming text",
+    )
+    r.add_argument(
+        "--dump-logits",
+        type=Path,
+        metavar="FILE.npy",
+        help="save the logits each generated token was chosen from, float32 [gen, vocab]",
+    )
+
+    s = sub.add_parser(
+        "synth",
+        help="write a random-weight checkpoint",
+        description="Write a random-weight checkpoint of a supported architecture (tests, benchmarks).",
+    )
+    from .synth import ARCHS
+
+    s.add_argument("--arch", required=True, choices=ARCHS, help="architecture (config.json model_type)")
+    s.add_argument("out", type=Path, help="output directory (written atomically)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    s.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"], help="weight dtype (default bf16)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    s.add_argument("--shard-size", type=float, default=2.0, metavar="GB", help="max shard size in GB (default 2)")
+    s.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    return p
+
+
+def _read_prompt(args: argparse.Namespace, model: Any) -> list[int]:
+    if args.ids is not None:
+        ids = _parse_ids(args.ids)
+    elif args.prompt_file is not None:
+        try:
+            text = args.prompt_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise InputError(f"prompt file {args.prompt_file} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"cannot read prompt file {args.prompt_file}: {e}") from None
+        ids = model.tokenize(text, add_bos=False if args.no_bos else None)
+    elif args.prompt is not None:
+        ids = model.tokenize(args.prompt, add_bos=False if args.no_bos else None)
+    else:
+        raise InputError("no prompt: give --prompt TEXT, --prompt-file PATH or --ids 1,2,3")
+    return list(model.check_ids(ids))
+
+
+def _save_npy(path: Path, arr: np.ndarray) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .default_model import default_model_path
+    from .generate import GenerationStats, load
+
+    path = Path(args.model) if args.model else default_model_path()
+    model = load(path, threads=args.threads)
+    prompt = _read_prompt(args, model)
+    if args.dump_logits is not None:
+        parent = args.dump_logits.parent
+        if not parent.is_dir():
+            raise InputError(f"--dump-logits: directory {parent} does not exist")
+    if not args.json and model.tokenizer is None:
+        raise InputError(f"{path}: the model has no tokenizer; use --json to get the generated ids")
+    logits: list[np.ndarray] = []
+    stats = GenerationStats()
+    generated: list[int] = []
+    stream = model.tokenizer.stream() if model.tokenizer is not None else None
+    out = sys.stdout
+    for token in model.generate(
+        prompt,
+        args.gen,
+        use_cache=not args.no_cache,
+        stop_at_eos=not args.ignore_eos,
+        logits_out=logits if args.dump_logits is not None else None,
+        stats=stats,
+    ):
+        generated.append(token)
+        if not args.json and stream is not None:
+            out.write(stream.feed(token))
+            out.flush()
+    if args.dump_logits is not None:
+        arr = np.stack(logits).astype(np.float32) if logits else np.zeros((0, model.vocab_size), np.float32)
+        _save_npy(args.dump_logits, arr)
+    text = model.detokenize(generated) if model.tokenizer is not None else None
+    if args.json:
+        obj = {
+            "model": str(path),
+            "prompt_ids": prompt,
+            "generated_ids": generated,
+            "text": text,
+            "stats": {**stats.as_dict(), "threads": model.threads},
+        }
+        out.write(json.dumps(obj) + "\n")
+    else:
+        assert stream is not None
+        out.write(stream.flush() + "\n")
+        print(
+            f"prompt: {stats.prompt_tokens} tokens in {stats.prefill_seconds:.3f} s "
+            f"({stats.prefill_tokens_per_second:.1f} tok/s) | generated: {stats.generated_tokens} tokens, "
+            f"decode {stats.decode_tokens_per_second:.2f} tok/s | threads {model.threads}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from .synth import parse_set, synth
+
+    if args.shard_size <= 0:
+        raise InputError("--shard-size must be positive")
+    out = synth(
+        args.arch,
+        args.out,
+        parse_set(args.set),
+        dtype=args.dtype,
+        seed=args.seed,
+        shard_bytes=int(args.shard_size * 1e9),
+        force=args.force,
+    )
+    print(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "synth":
+            return cmd_synth(args)
+        parser.error(f"unknown command {args.command}")
+    except MoeStreamError as e:
+        sys.stdout.flush()
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("moestream: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""`moestream synth`: a random-weight checkpoint of a supported architecture, in the real format
+(config.json, sharded safetensors with an index, tokenizer.json), written tensor by tensor so that a
+checkpoint larger than RAM can be made. The tensor list comes from the architecture's own builder, so
+the names are defined in one place per architecture."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from . import models
+from .errors import ConfigError, InputError
+from .formats.safetensors import write_streaming
+
+# Small defaults per architecture; --set overrides any key.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096,
+        tie_word_embeddings=False, hidden_act="silu",
+    ),
+    "mixtral": dict(
+        vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=4096, sliding_window=None,
+        tie_word_embeddings=False, hidden_act="silu",
+    ),
+    "deepseek_v3": dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, kv_lora_rank=32,
+        q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        scoring_func="sigmoid", topk_method="noaux_tc", rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        max_position_embeddings=4096, tie_word_embeddings=False, hidden_act="silu",
+    ),
+}
+ARCHS = sorted(DEFAULTS)
+N_BYTE_TOKENS = 256
+SPECIALS = ["<s>", "</s>"]
+DTYPES = {"bf16": ("BF16", ml_dtypes.bfloat16), "f32": ("F32", np.float32), "f16": ("F16", np.float16)}
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--set expects key=value, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+class _Recorder:
+    """A stand-in checkpoint that records every tensor the builder asks for, and its shape."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+        self.path = Path("<synth>")
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def has(self, name: str) -> bool:
+        return True
+
+    def info(self, name: str) -> Any:
+        class _Info:
+            dtype = "F32"
+
+        return _Info()
+
+    def array(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        assert shape is not None
+        self.shapes[name] = tuple(int(d) for d in shape)
+        return np.zeros(shape if len(shape) else (1,), np.float32)  # calloc: no memory is touched
+
+
+def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    spec = models.read_spec(config)
+    rec = _Recorder(config)
+    models.build(rec, spec)  # type: ignore[arg-type]
+    return rec.shapes
+
+
+def _random(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Deterministic per tensor name. Matrices ~ N(0, 0.8/sqrt(cols)) (lm_head 3x), norms 1 +- 0.1,
+    router correction bias N(0, 0.05): large enough that greedy choices are not near-ties."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if "norm" in name:
+        return (1.0 + 0.1 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+    if name.endswith("e_score_correction_bias"):
+        return (0.05 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+    std = 0.8 / math.sqrt(shape[-1])
+    if name == "lm_head.weight":
+        std *= 3
+    return (std * rng.standard_normal(shape, np.float32)).astype(np.float32)
+
+
+def _byte_level_tokenizer(vocab_size: int) -> tuple[dict[str, Any], dict[str, Any], int, int]:
+    """A byte-level BPE tokenizer.json with the 256 byte tokens and two specials (no merges)."""
+    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    if vocab_size < N_BYTE_TOKENS + len(SPECIALS):
+        raise ConfigError(f"synth: vocab_size must be at least {N_BYTE_TOKENS + len(SPECIALS)} for the tokenizer")
+    alphabet = ByteLevel.alphabet()
+    # GPT-2 byte order: printable bytes map to themselves, the rest to 256+n; sort by the byte they encode.
+    def byte_of(ch: str) -> int:
+        o = ord(ch)
+        printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+        if o in printable:
+            return o
+        rest = [b for b in range(256) if b not in printable]
+        return rest[o - 256]
+
+    vocab = {ch: byte_of(ch) for ch in alphabet}
+    tok = Tokenizer(tmodels.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    cfg = {
+        "add_bos_token": True,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "model_max_length": 4096,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {str(tok.token_to_id(s)): {"content": s, "special": True} for s in SPECIALS},
+    }
+    return json.loads(tok.to_str()), cfg, bos, eos
+
+
+def synth(
+    arch: str,
+    out: Path,
+    overrides: dict[str, Any] | None = None,
+    dtype: str = "bf16",
+    seed: int = 0,
+    shard_bytes: int = 2 << 30,
+    force: bool = False,
+    progress: bool | None = None,
+) -> Path:
+    if arch not in DEFAULTS:
+        raise InputError(f"synth: unknown architecture {arch!r} (supported: {', '.join(ARCHS)})")
+    if dtype not in DTYPES:
+        raise InputError(f"synth: unknown dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    out = Path(out)
+    if out.exists() and not force:
+        raise InputError(f"synth: {out} exists (use --force to replace it)")
+    config: dict[str, Any] = {"model_type": arch, **DEFAULTS[arch], **(overrides or {})}
+    tok_json, tok_cfg, bos, eos = _byte_level_tokenizer(int(config["vocab_size"]))
+    config.setdefault("bos_token_id", bos)
+    config.setdefault("eos_token_id", eos)
+    config["torch_dtype"] = {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}[dtype]
+    shapes = tensor_shapes(config)
+    st_name, np_dtype = DTYPES[dtype]
+
+    def tensor_dtype(name: str) -> tuple[str, Any]:
+        # Norm weights and the router bias stay f32, as the released checkpoints keep them.
+        if "norm" in name or name.endswith("e_score_correction_bias"):
+            return "F32", np.float32
+        return st_name, np_dtype
+
+    # Shards of at most shard_bytes, tensors in builder order (layer by layer).
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * np.dtype(tensor_dtype(name)[1]).itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        bar = tqdm(total=len(shapes), desc=f"synth {arch}", unit="tensor", disable=progress is False or None)
+        weight_map = {}
+        for i, names in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+            entries = []
+            for name in names:
+                sd, nd = tensor_dtype(name)
+
+                def make(name: str = name, nd: Any = nd) -> np.ndarray:
+                    bar.update(1)
+                    return _random(name, shapes[name], seed).astype(nd)
+
+                entries.append((name, sd, shapes[name], make))
+                weight_map[name] = fname
+            write_streaming(tmp / fname, entries, {"format": "pt"})
+        bar.close()
+        if len(shards) > 1:
+            total = sum(math.prod(s) * np.dtype(tensor_dtype(n)[1]).itemsize for n, s in shapes.items())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "tokenizer.json").write_text(json.dumps(tok_json))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
