@@ -31,15 +31,15 @@ static void *worker_main(void *arg) {
             _mm_pause();
             spins++;
         }
-        if (g == seen) {
-            pthread_mutex_lock(&mu);
-            while ((g = atomic_load(&gen)) == seen) pthread_cond_wait(&cv_start, &mu);
-            pthread_mutex_unlock(&mu);
-        }
+        /* Read the generation and the job together under the lock: the job fields belong to
+         * exactly that generation, so each job is run at most once. */
+        pthread_mutex_lock(&mu);
+        while ((g = atomic_load(&gen)) == seen) pthread_cond_wait(&cv_start, &mu);
         seen = g;
         ms_task_fn fn = job_fn;
         void *ctx = job_ctx;
         int nth = job_nth;
+        pthread_mutex_unlock(&mu);
         if (idx + 1 < nth) {
             fn(ctx, idx + 1, nth);
             atomic_fetch_sub_explicit(&pending, 1, memory_order_release);

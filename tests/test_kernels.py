@@ -1,0 +1,117 @@
+"""C kernels against the numpy reference, on every instruction set this CPU has: dequantization is
+bit-exact, matmul is within the format's stated bound of dequantize-then-multiply, and the result does
+not depend on the thread count, the batch size or the code path."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from moestream import _C
+from moestream.quant import FORMATS, Weight, dequantize_reference
+from moestream.quant.formats import quantize_fp8_reference
+
+ISAS = ["scalar", "avx2", "avx512"]
+SHAPES = [(1, 1), (5, 17), (37, 53), (130, 300), (64, 2048)]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    if request.param not in _C.supported_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    before = _C.get_isa()
+    _C.set_isa(request.param)
+    yield request.param
+    _C.set_isa(before)
+
+
+def make_weight(fmt: str, rows: int, cols: int, seed: int = 0) -> Weight:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    if fmt == "f32":
+        return Weight(w)
+    if fmt == "bf16":
+        return Weight(w.astype(ml_dtypes.bfloat16))
+    if fmt == "f16":
+        return Weight(w.astype(np.float16))
+    if fmt == "fp8":
+        # vary the block scales so a wrong block index shows
+        w *= np.exp(rng.standard_normal((rows, 1))).astype(np.float32)
+        q, s = quantize_fp8_reference(w)
+        return Weight(q, s)
+    raise AssertionError(fmt)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dequant_bit_exact(isa, fmt, shape):
+    w = make_weight(fmt, *shape)
+    ref = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols)
+    got = w.dequantize(threads=2)
+    assert got.tobytes() == ref.tobytes()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matmul_within_bound(isa, fmt, shape):
+    w = make_weight(fmt, *shape)
+    x = np.random.default_rng(1).standard_normal((3, w.cols)).astype(np.float32)
+    deq = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols).astype(np.float64)
+    exact = x.astype(np.float64) @ deq.T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(deq).T
+    got = w.matmul(x, threads=2)
+    assert np.all(np.abs(got - exact) <= w.fmt.matmul_rel_bound * scale + 1e-30)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_matmul_independent_of_threads_and_batch(isa, fmt):
+    w = make_weight(fmt, 203, 517)
+    x = np.random.default_rng(2).standard_normal((7, w.cols)).astype(np.float32)
+    base = w.matmul(x, threads=1)
+    for threads in (2, 3, 8):
+        assert w.matmul(x, threads=threads).tobytes() == base.tobytes()
+    for t in range(7):  # one token at a time (decode) == the same row of the batch (prefill)
+        assert w.matmul(x[t : t + 1], threads=2).tobytes() == base[t : t + 1].tobytes()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_isas_bit_identical(fmt):
+    """Every path follows the same canonical reduction order, so they agree to the bit."""
+    w = make_weight(fmt, 67, 301)
+    x = np.random.default_rng(3).standard_normal((2, w.cols)).astype(np.float32)
+    before = _C.get_isa()
+    results = {}
+    try:
+        for isa in _C.supported_isas():
+            _C.set_isa(isa)
+            results[isa] = w.matmul(x).tobytes()
+    finally:
+        _C.set_isa(before)
+    assert len(set(results.values())) == 1, results.keys()
+
+
+def test_best_isa_is_default():
+    assert _C.get_isa() == _C.supported_isas()[-1]
+
+
+def test_bad_arguments_raise():
+    w = np.zeros((4, 8), np.float32)
+    out = np.zeros((1, 4), np.float32)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        _C.matmul(99, w, None, 4, 8, np.zeros((1, 8), np.float32), out, 1)
+    with pytest.raises(ValueError, match="weight buffer"):
+        _C.matmul(0, w, None, 8, 8, np.zeros((1, 8), np.float32), np.zeros((1, 8), np.float32), 1)
+    with pytest.raises(ValueError, match="out has"):
+        _C.matmul(0, w, None, 4, 8, np.zeros((1, 8), np.float32), np.zeros((2, 4), np.float32), 1)
+    with pytest.raises(ValueError, match="block-scale"):
+        _C.matmul(3, np.zeros((4, 8), np.uint8), None, 4, 8, np.zeros((1, 8), np.float32), out, 1)
+    with pytest.raises(ValueError, match="does not support|unknown"):
+        _C.set_isa("neon")
+
+
+def test_fp8_nan_byte_is_nan():
+    q = np.array([[0x7F, 0x38]], np.uint8)  # NaN, 1.0
+    w = Weight(q.view(ml_dtypes.float8_e4m3fn), np.ones((1, 1), np.float32))
+    d = w.dequantize()
+    assert np.isnan(d[0, 0]) and d[0, 1] == 1.0
