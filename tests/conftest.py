@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import hf_models  # noqa: E402
+import hf_models
 
 
 class ModelCase:
     def __init__(self, name: str, kind: str, cfg: dict, root: Path):
         self.name, self.kind, self.cfg = name, kind, cfg
-        self.hf = hf_models.make_model(kind, cfg, seed=abs(hash(name)) % 1000)
+        self.hf = hf_models.make_model(kind, cfg, seed=zlib.crc32(name.encode()) % 1000)
         self.path = hf_models.save(self.hf, root / name)
         self._refs: dict[int, hf_models.Reference] = {}
 

@@ -43,14 +43,29 @@ def assert_user_error(p: subprocess.CompletedProcess, *fragments: str) -> None:
 def test_json_and_dump_logits_match_api(small_case, tmp_path):
     prompt = small_case.prompt(8)
     dump = tmp_path / "logits.npy"
-    p = cli("run", str(small_case.path), "--ids", ",".join(map(str, prompt)), "--gen", "6", "--json",
-            "--ignore-eos", "--dump-logits", str(dump))
+    p = cli(
+        "run",
+        str(small_case.path),
+        "--ids",
+        ",".join(map(str, prompt)),
+        "--gen",
+        "6",
+        "--json",
+        "--ignore-eos",
+        "--dump-logits",
+        str(dump),
+    )
     assert p.returncode == 0, p.stderr
     obj = json.loads(p.stdout)
     assert obj["prompt_ids"] == prompt
     ref = small_case.reference(8)
     assert obj["generated_ids"] == ref.ids[:6]
-    assert set(obj["stats"]) >= {"prompt_tokens", "generated_tokens", "prefill_seconds", "decode_tokens_per_second"}
+    assert set(obj["stats"]) >= {
+        "prompt_tokens",
+        "generated_tokens",
+        "prefill_seconds",
+        "decode_tokens_per_second",
+    }
     logits = np.load(dump)
     assert logits.dtype == np.float32 and logits.shape == (6, small_case.cfg["vocab_size"])
     api_logits: list[np.ndarray] = []
@@ -62,7 +77,9 @@ def test_json_and_dump_logits_match_api(small_case, tmp_path):
 def test_no_cache_and_threads_same_ids(small_case):
     ids = ",".join(map(str, small_case.prompt(8)))
     outs = [
-        json.loads(cli("run", str(small_case.path), "--ids", ids, "--gen", "5", "--json", "--ignore-eos", *extra).stdout)
+        json.loads(
+            cli("run", str(small_case.path), "--ids", ids, "--gen", "5", "--json", "--ignore-eos", *extra).stdout
+        )
         for extra in ([], ["--no-cache"], ["--threads", "1"])
     ]
     assert outs[0]["generated_ids"] == outs[1]["generated_ids"] == outs[2]["generated_ids"]
@@ -83,8 +100,18 @@ def test_default_model_text_run(tmp_path):
 
 def test_synth_cli_round_trip(tmp_path):
     out = tmp_path / "m"
-    p = cli("synth", "--arch", "qwen3_moe", str(out), "--set", "num_hidden_layers=2", "--set", "num_experts=5",
-            "--shard-size", "0.0005")
+    p = cli(
+        "synth",
+        "--arch",
+        "qwen3_moe",
+        str(out),
+        "--set",
+        "num_hidden_layers=2",
+        "--set",
+        "num_experts=5",
+        "--shard-size",
+        "0.0005",
+    )
     assert p.returncode == 0, p.stderr
     assert (out / "model.safetensors.index.json").exists()
     cfg = json.loads((out / "config.json").read_text())
@@ -96,7 +123,16 @@ def test_synth_cli_round_trip(tmp_path):
 
 def test_help_explains_every_flag():
     p = cli("run", "--help")
-    for flag in ("--prompt", "--prompt-file", "--ids", "--gen", "--threads", "--no-cache", "--json", "--dump-logits"):
+    for flag in (
+        "--prompt",
+        "--prompt-file",
+        "--ids",
+        "--gen",
+        "--threads",
+        "--no-cache",
+        "--json",
+        "--dump-logits",
+    ):
         assert flag in p.stdout
 
 

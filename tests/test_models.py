@@ -15,7 +15,7 @@ import torch
 
 import moestream
 from moestream.formats.safetensors import read_header, write_file
-from moestream.quant.formats import dequantize_reference, FORMATS, quantize_fp8_reference
+from moestream.quant.formats import FORMATS, dequantize_reference, quantize_fp8_reference
 
 REL_TOL = 1e-4  # float32 checkpoints and bf16 checkpoints computed in float32 (see test_bf16_checkpoint)
 
@@ -80,9 +80,7 @@ def test_bf16_checkpoint(case, tmp_path):
     """A bf16 checkpoint is computed in float32 from the exact bf16 values, so it matches transformers
     run in float32 on the same bf16-rounded weights within the same 1e-4 bound."""
     dst = tmp_path / "bf16"
-    _rewrite_tensors(
-        case.path, dst, lambda n, a: {n: a.astype(ml_dtypes.bfloat16) if "norm" not in n else a}
-    )
+    _rewrite_tensors(case.path, dst, lambda n, a: {n: a.astype(ml_dtypes.bfloat16) if "norm" not in n else a})
     hf = case.hf
     state = {k: v.clone() for k, v in hf.state_dict().items()}
     try:

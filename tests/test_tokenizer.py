@@ -21,7 +21,13 @@ CORPUS = [
     "汉字和中文文本也需要测试。日本語のテキスト。\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n",
 ] * 20
-SAMPLES = ["Hello world", "def f(x):\n    return x*2\n", "中文测试 mixed with English", "emoji 🙂 and naïve", ""]
+SAMPLES = [
+    "Hello world",
+    "def f(x):\n    return x*2\n",
+    "中文测试 mixed with English",
+    "emoji 🙂 and naïve",
+    "",
+]
 
 
 def _hf_tokenizer_dir(tmp: Path, add_bos: bool) -> Path:

@@ -91,7 +91,9 @@ def read_rope(k: Keys, dim: int, max_pos: int, interleave: bool = False) -> Rope
             kind="yarn",
             factor=rk.req("factor", float),
             original_max_position_embeddings=rk.opt(
-                "original_max_position_embeddings", int, k.opt("original_max_position_embeddings", int, max_pos)
+                "original_max_position_embeddings",
+                int,
+                k.opt("original_max_position_embeddings", int, max_pos),
             ),
             beta_fast=rk.opt("beta_fast", float, 32.0) or 32.0,
             beta_slow=rk.opt("beta_slow", float, 1.0) or 1.0,
@@ -144,7 +146,9 @@ def read_common(k: Keys, model_type: str) -> dict[str, Any]:
         torch_dtype=k.d.get("torch_dtype") or k.d.get("dtype"),
     )
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps"):
-        k.positive(key, common[key])
+        value = common[key]
+        assert isinstance(value, int | float)
+        k.positive(key, value)
     if common["hidden_act"] != "silu":
         raise ConfigError(f"{k.where}: hidden_act {common['hidden_act']!r} is not supported (silu is)")
     return common
@@ -154,9 +158,7 @@ def check_heads(k: Keys, heads: int, kv_heads: int) -> None:
     k.positive("num_attention_heads", heads)
     k.positive("num_key_value_heads", kv_heads)
     if heads % kv_heads:
-        raise ConfigError(
-            f"{k.where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-        )
+        raise ConfigError(f"{k.where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
 
 
 def check_experts(k: Keys, n_experts: int, top_k: int, experts_key: str) -> None:

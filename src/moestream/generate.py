@@ -1,10 +1,10 @@
 """The Python API: load a checkpoint directory, tokenize, compute logits, generate tokens.
 
-    import moestream
-    model = moestream.load("path/to/checkpoint", threads=2)
-    ids = model.tokenize("def fibonacci(n):")
-    for token in model.generate(ids, max_new_tokens=32):
-        print(model.detokenize([token]), end="")
+import moestream
+model = moestream.load("path/to/checkpoint", threads=2)
+ids = model.tokenize("def fibonacci(n):")
+for token in model.generate(ids, max_new_tokens=32):
+    print(model.detokenize([token]), end="")
 """
 
 from __future__ import annotations

@@ -25,28 +25,78 @@ from .formats.safetensors import write_streaming
 # Small defaults per architecture; --set overrides any key.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096,
-        tie_word_embeddings=False, hidden_act="silu",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        hidden_act="silu",
     ),
     "mixtral": dict(
-        vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-        rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=4096, sliding_window=None,
-        tie_word_embeddings=False, hidden_act="silu",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        hidden_act="silu",
     ),
     "deepseek_v3": dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, kv_lora_rank=32,
-        q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        scoring_func="sigmoid", topk_method="noaux_tc", rms_norm_eps=1e-6, rope_theta=10000.0,
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        max_position_embeddings=4096, tie_word_embeddings=False, hidden_act="silu",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        hidden_act="silu",
     ),
 }
 ARCHS = sorted(DEFAULTS)
@@ -116,12 +166,14 @@ def _random(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 def _byte_level_tokenizer(vocab_size: int) -> tuple[dict[str, Any], dict[str, Any], int, int]:
     """A byte-level BPE tokenizer.json with the 256 byte tokens and two specials (no merges)."""
-    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tmodels
     from tokenizers.pre_tokenizers import ByteLevel
 
     if vocab_size < N_BYTE_TOKENS + len(SPECIALS):
         raise ConfigError(f"synth: vocab_size must be at least {N_BYTE_TOKENS + len(SPECIALS)} for the tokenizer")
     alphabet = ByteLevel.alphabet()
+
     # GPT-2 byte order: printable bytes map to themselves, the rest to 256+n; sort by the byte they encode.
     def byte_of(ch: str) -> int:
         o = ord(ch)
@@ -137,7 +189,8 @@ def _byte_level_tokenizer(vocab_size: int) -> tuple[dict[str, Any], dict[str, An
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    cfg = {
+    assert bos is not None and eos is not None
+    cfg: dict[str, Any] = {
         "add_bos_token": True,
         "bos_token": "<s>",
         "eos_token": "</s>",

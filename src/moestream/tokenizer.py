@@ -148,8 +148,9 @@ class TiktokenTokenizer(Tokenizer):
 
         path = model_dir / "tiktoken.model"
         ranks: dict[bytes, int] = {}
+        n = 0
         try:
-            for n, line in enumerate(path.read_bytes().splitlines(), 1):
+            for n, line in enumerate(path.read_bytes().splitlines(), 1):  # noqa: B007 (n is in the message)
                 if not line.strip():
                     continue
                 tok, rank = line.split()
@@ -158,7 +159,10 @@ class TiktokenTokenizer(Tokenizer):
             raise CheckpointError(f"{path}: corrupt tiktoken.model (line {n}: {e})") from None
         specials = _special_tokens(cfg)
         self.enc = tiktoken.Encoding(
-            name=model_dir.name, pat_str=_read_pattern(model_dir), mergeable_ranks=ranks, special_tokens=specials
+            name=model_dir.name,
+            pat_str=_read_pattern(model_dir),
+            mergeable_ranks=ranks,
+            special_tokens=specials,
         )
         self._specials = specials
         self._special_bytes = {v: k.encode() for k, v in specials.items()}

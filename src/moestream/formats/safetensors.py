@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,13 +120,16 @@ class MappedFile:
 
 def write_file(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
     """Writes a safetensors file atomically (temporary name, then rename)."""
-    write_streaming(path, [(k, DTYPE_NAMES[v.dtype], v.shape, lambda v=v: v) for k, v in tensors.items()],
-                    metadata)
+
+    def keep(v: np.ndarray) -> Callable[[], np.ndarray]:
+        return lambda: v
+
+    write_streaming(path, [(k, DTYPE_NAMES[v.dtype], v.shape, keep(v)) for k, v in tensors.items()], metadata)
 
 
 def write_streaming(
     path: Path,
-    entries: list[tuple[str, str, tuple[int, ...], object]],
+    entries: Sequence[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]],
     metadata: dict[str, str] | None = None,
 ) -> None:
     """Writes tensors one at a time: entries are (name, dtype, shape, make) where make() returns the
@@ -145,7 +149,7 @@ def write_streaming(
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, dtype, shape, make in entries:
-            arr = np.ascontiguousarray(make())  # type: ignore[operator]
+            arr = np.ascontiguousarray(make())
             if arr.shape != tuple(shape) or arr.dtype != DTYPES[dtype]:
                 raise ValueError(f"{name}: made {arr.dtype} {arr.shape}, declared {dtype} {shape}")
             f.write(arr.tobytes())

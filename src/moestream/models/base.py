@@ -279,7 +279,13 @@ class MLAttention:
     ):
         self.q_proj, self.q_a_proj, self.q_a_norm, self.q_b_proj = q_proj, q_a_proj, q_a_norm, q_b_proj
         self.kv_a_proj, self.kv_a_norm, self.kv_b_proj, self.o_proj = kv_a_proj, kv_a_norm, kv_b_proj, o_proj
-        self.heads, self.nope, self.rope_dim, self.v_dim, self.rank = heads, nope_dim, rope_dim, v_dim, kv_lora_rank
+        self.heads, self.nope, self.rope_dim, self.v_dim, self.rank = (
+            heads,
+            nope_dim,
+            rope_dim,
+            v_dim,
+            kv_lora_rank,
+        )
         self.rope = rope
         self.scaling = np.float32(scaling)
         self.norm_eps = norm_eps

@@ -97,11 +97,15 @@ def read_spec(config: dict[str, Any]) -> DeepseekV3Spec:
         norm_topk_prob=k.opt("norm_topk_prob", bool, True),
         routed_scaling_factor=k.opt("routed_scaling_factor", float, 1.0),
         attention_bias=k.opt("attention_bias", bool, False),
-        rope=read_rope(
-            k, rope_dim, k.opt("max_position_embeddings", int, 4096), k.opt("rope_interleave", bool, True)
-        ),
+        rope=read_rope(k, rope_dim, k.opt("max_position_embeddings", int, 4096), k.opt("rope_interleave", bool, True)),
     )
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size"):
+    for key in (
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "intermediate_size",
+        "moe_intermediate_size",
+    ):
         k.positive(key, getattr(spec, key))
     return spec
 

@@ -31,9 +31,7 @@ class Qwen3MoeSpec(ModelSpec):
 
     def is_sparse(self, layer: int) -> bool:
         return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
+            layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
         )
 
 
