@@ -115,3 +115,11 @@ def test_fp8_nan_byte_is_nan():
     w = Weight(q.view(ml_dtypes.float8_e4m3fn), np.ones((1, 1), np.float32))
     d = w.dequantize()
     assert np.isnan(d[0, 0]) and d[0, 1] == 1.0
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_dequantize_rows_matches_reference(fmt):
+    w = make_weight(fmt, 300, 260)
+    rows = np.array([0, 127, 128, 299, 5])
+    ref = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols)[rows]
+    assert w.dequantize_rows(rows).tobytes() == ref.tobytes()

@@ -1,0 +1,133 @@
+"""Prefill and decode tokens/s on a synthetic Qwen3-30B-A3B-width qwen3_moe (4 layers, bf16) beside
+transformers on the same checkpoint, and the GB/s the matvec kernels reach beside a plain memory read.
+
+    python3 benchmarks/decode.py [--threads 2] [--layers 4] [--prompt 128] [--gen 16] [--dir PATH]
+
+The checkpoint (about 5 GB) is written once to --dir (default: /tmp/moestream-bench/qwen3-30b-a3b-L4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import moestream
+from common import best_time, commit, machine, table
+from moestream import _C
+from moestream.synth import synth
+
+QWEN3_30B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+)
+
+
+def ours(path: Path, prompt: list[int], gen: int, threads: int) -> tuple[float, float, list[int]]:
+    model = moestream.load(path, threads=threads)
+    list(model.generate(prompt[:8], 2, stop_at_eos=False))  # warm the page cache and the thread pool
+    stats = moestream.generate.GenerationStats()
+    ids = list(model.generate(prompt, gen, stop_at_eos=False, stats=stats))
+    return stats.prefill_tokens_per_second, stats.decode_tokens_per_second, ids
+
+
+def hf(path: Path, prompt: list[int], gen: int, threads: int) -> tuple[float, float, list[int]]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    inp = torch.tensor([prompt])
+    mask = torch.ones_like(inp)
+    with torch.no_grad():
+        model.generate(inp[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        t0 = time.perf_counter()
+        model(inp, attention_mask=mask)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(inp, attention_mask=mask, max_new_tokens=gen, do_sample=False, pad_token_id=0)
+        total = time.perf_counter() - t0
+    ids = out[0, len(prompt) :].tolist()
+    return len(prompt) / prefill, (gen - 1) / max(total - prefill, 1e-9), ids
+
+
+def kernel_bandwidth(threads: int) -> list[list[object]]:
+    rng = np.random.default_rng(0)
+    rows = []
+    buf = np.ones(2 << 30, np.uint8)
+    base = 2 * 2**30 / best_time(lambda: _C.memread(buf, threads), repeat=3, min_seconds=0.5) / 1e9
+    import ml_dtypes
+
+    for name, (r, c) in {
+        "expert gate/up 768x2048": (768, 2048),
+        "expert down 2048x768": (2048, 768),
+        "attn q 4096x2048": (4096, 2048),
+        "lm_head 151936x2048": (151936, 2048),
+    }.items():
+        # Many copies so the weights come from memory, not cache, as in decode.
+        copies = max(1, int(1.5e9 // (r * c * 2)))
+        ws = [moestream.quant.Weight(rng.standard_normal((r, c), np.float32).astype(ml_dtypes.bfloat16))]
+        ws += [moestream.quant.Weight(ws[0].data.copy()) for _ in range(copies - 1)]
+        x = rng.standard_normal((1, c)).astype(np.float32)
+        i = [0]
+
+        def step(ws: list = ws, x: np.ndarray = x, i: list = i) -> None:
+            ws[i[0] % len(ws)].matmul(x, threads)
+            i[0] += 1
+
+        t = best_time(step, repeat=3, min_seconds=0.3)
+        gbs = r * c * 2 / t / 1e9
+        rows.append([f"bf16 matvec {name}", gbs, f"{100 * gbs / base:.0f}%"])
+    rows.append(["memory read baseline", base, "100%"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+    path = args.dir or Path(f"/tmp/moestream-bench/qwen3-30b-a3b-L{args.layers}")
+    if not (path / "config.json").exists():
+        print(f"writing {path} ...", file=sys.stderr)
+        synth("qwen3_moe", path, {**QWEN3_30B_A3B, "num_hidden_layers": args.layers}, dtype="bf16", seed=0)
+    prompt = [int(i) for i in np.random.default_rng(0).integers(300, 150000, size=args.prompt)]
+
+    print(f"machine: {machine()}\ncommit: {commit()}")
+    print(f"model: qwen3_moe Qwen3-30B-A3B width, {args.layers} layers, bf16, {path}")
+    print(f"prompt {args.prompt} tokens, generate {args.gen}, threads {args.threads}\n")
+    rows = []
+    p, d, ids = ours(path, prompt, args.gen, args.threads)
+    rows.append(["moestream", p, d])
+    if not args.skip_transformers:
+        hp, hd, hids = hf(path, prompt, args.gen, args.threads)
+        rows.append(["transformers (bf16)", hp, hd])
+        same = sum(a == b for a, b in zip(ids, hids, strict=False))
+        rows.append(["ratio moestream / transformers", p / hp, d / hd])
+        print(f"(greedy ids agree on the first {same}/{args.gen} tokens; transformers computes in bf16)")
+    print(table(["engine", "prefill tok/s", "decode tok/s"], rows))
+    print()
+    print(table(["kernel", "GB/s", "of memory read"], kernel_bandwidth(args.threads)))
+
+
+if __name__ == "__main__":
+    main()
