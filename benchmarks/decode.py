@@ -54,14 +54,16 @@ def hf(path: Path, prompt: list[int], gen: int, threads: int) -> tuple[float, fl
     model.generation_config.eos_token_id = None
     inp = torch.tensor([prompt])
     mask = torch.ones_like(inp)
+
+    def run(n: int) -> tuple[float, torch.Tensor]:
+        t0 = time.perf_counter()
+        out = model.generate(inp, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0, out
+
     with torch.no_grad():
         model.generate(inp[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
-        t0 = time.perf_counter()
-        model(inp, attention_mask=mask)
-        prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(inp, attention_mask=mask, max_new_tokens=gen, do_sample=False, pad_token_id=0)
-        total = time.perf_counter() - t0
+        prefill, _ = run(1)  # the prompt's forward pass and one token, as moestream's prefill
+        total, out = run(gen)
     ids = out[0, len(prompt) :].tolist()
     return len(prompt) / prefill, (gen - 1) / max(total - prefill, 1e-9), ids
 

@@ -1,6 +1,7 @@
 /* Matrix products over the format table, threaded over output rows, with runtime ISA dispatch. */
 #include "matmul.h"
 
+#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 
@@ -69,10 +70,20 @@ static void matmul_task(void *ctx, int ith, int nth) {
 }
 
 void ms_matmul(const ms_matrix *m, const float *x, int64_t T, float *out, int nthreads) {
-    matmul_job j = {m, x, T, out, ms_formats[m->fmt].dot4[active_isa]};
+    const ms_format_traits *f = &ms_formats[m->fmt];
+    float *xp = NULL;
+    if (f->prep_x[active_isa] != NULL) {
+        xp = malloc((size_t)(T * m->cols) * sizeof(float));
+        if (xp != NULL) {
+            for (int64_t t = 0; t < T; t++) f->prep_x[active_isa](x + t * m->cols, m->cols, xp + t * m->cols);
+        }
+    }
+    /* Without memory for the prepared activations, fall back to the scalar path (same result). */
+    matmul_job j = {m, xp ? xp : x, T, out, (f->prep_x[active_isa] && !xp) ? f->dot4[MS_ISA_SCALAR] : f->dot4[active_isa]};
     int64_t tiles = (m->rows + 3) / 4;
     if (nthreads > tiles) nthreads = (int)tiles;
     ms_parallel(nthreads < 1 ? 1 : nthreads, matmul_task, &j);
+    free(xp);
 }
 
 typedef struct {

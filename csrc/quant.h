@@ -40,6 +40,9 @@ typedef struct {
 typedef void (*ms_dot4_fn)(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
 /* out[0:cols] = W[row, :] as f32. */
 typedef void (*ms_dequant_fn)(const ms_matrix *m, int64_t row, float *out);
+/* Some kernels want the activations in another order (or format); prep_x writes that form of
+ * x[0:n] to xp[0:n] once per token, and dot4 then receives xp. NULL: dot4 takes x as it is. */
+typedef void (*ms_prep_x_fn)(const float *x, int64_t n, float *xp);
 
 typedef struct {
     const char *name;
@@ -47,6 +50,7 @@ typedef struct {
     int block_bytes; /* bytes per block */
     ms_dot4_fn dot4[MS_NUM_ISAS];
     ms_dequant_fn dequant[MS_NUM_ISAS];
+    ms_prep_x_fn prep_x[MS_NUM_ISAS];
 } ms_format_traits;
 
 extern const ms_format_traits ms_formats[MS_NUM_FORMATS];
@@ -79,5 +83,6 @@ MS_DECLARE_ALL_ISAS(f32)
 MS_DECLARE_ALL_ISAS(bf16)
 MS_DECLARE_ALL_ISAS(f16)
 MS_DECLARE_ALL_ISAS(fp8)
+void ms_prep_x_bf16_avx2(const float *x, int64_t n, float *xp);
 
 #endif

@@ -126,14 +126,15 @@ void ms_dot4_fp8_scalar(const ms_matrix *m, int64_t row0, int nrows, const float
 
 /* ---- the table ---------------------------------------------------------------------------- */
 
-#define ROW(NAME, BLOCK, BYTES)                                                     \
+#define ROW(NAME, BLOCK, BYTES, PREP_AVX2)                                           \
     {#NAME, BLOCK, BYTES,                                                           \
      {ms_dot4_##NAME##_scalar, ms_dot4_##NAME##_avx2, ms_dot4_##NAME##_avx512},     \
-     {ms_dequant_##NAME##_scalar, ms_dequant_##NAME##_avx2, ms_dequant_##NAME##_avx512}}
+     {ms_dequant_##NAME##_scalar, ms_dequant_##NAME##_avx2, ms_dequant_##NAME##_avx512}, \
+     {NULL, PREP_AVX2, NULL}}
 
 const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
-    [MS_F32] = ROW(f32, 1, 4),
-    [MS_BF16] = ROW(bf16, 1, 2),
-    [MS_F16] = ROW(f16, 1, 2),
-    [MS_FP8_E4M3_B128] = ROW(fp8, 1, 1),
+    [MS_F32] = ROW(f32, 1, 4, NULL),
+    [MS_BF16] = ROW(bf16, 1, 2, ms_prep_x_bf16_avx2),
+    [MS_F16] = ROW(f16, 1, 2, NULL),
+    [MS_FP8_E4M3_B128] = ROW(fp8, 1, 1, NULL),
 };

@@ -46,6 +46,97 @@ static inline void load_fp8(rowctx c, int64_t i, __m256 w[2]) {
 }
 
 DEFINE_DOT(f32, avx2, load_f32, ELEM_F32)
-DEFINE_DOT(bf16, avx2, load_bf16, ELEM_BF16)
 DEFINE_DOT(f16, avx2, load_f16, ELEM_F16)
 DEFINE_DOT(fp8, avx2, load_fp8, ELEM_FP8)
+
+/* bf16 without cross-lane conversion: unpacking 16 bf16 against zero inside each 128-bit lane puts
+ * elements {0-3, 8-11} in the low vector and {4-7, 12-15} in the high one. The activations are
+ * permuted the same way once per token (prep_x), each vector lane still owns one residue class mod 16,
+ * and the lanes are put back in canonical order before the reduction, so the result is bit-identical
+ * to the scalar path. */
+static const int perm16[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+void ms_prep_x_bf16_avx2(const float *x, int64_t n, float *xp) {
+    int64_t n16 = n & ~(int64_t)15;
+    for (int64_t i = 0; i < n16; i += 16)
+        for (int j = 0; j < 16; j++) xp[i + j] = x[i + perm16[j]];
+    for (int64_t i = n16; i < n; i++) xp[i] = x[i];
+}
+
+static inline void bf16_unpack(const uint16_t *p, __m256 *lo, __m256 *hi) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    __m256i z = _mm256_setzero_si256();
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+}
+
+static inline float bf16_finish(__m256 a, __m256 b, const uint16_t *w, const float *xp, int64_t n16, int64_t n) {
+    if (n16 == n) {
+        /* The canonical tree in registers: a holds lanes {0-3, 8-11}, b holds {4-7, 12-15}. */
+        __m128 s8a = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* l[j] + l[j+8], j<4 */
+        __m128 s8b = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1)); /* j = 4..7 */
+        __m128 s4 = _mm_add_ps(s8a, s8b);                                                   /* + l[j+4] */
+        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                  /* + l[j+2] */
+        __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));                              /* + l[1] */
+        return _mm_cvtss_f32(s1);
+    }
+    float v[16], lanes[MS_LANES];
+    _mm256_storeu_ps(v, a);
+    _mm256_storeu_ps(v + 8, b);
+    for (int j = 0; j < 16; j++) lanes[perm16[j]] = v[j];
+    for (int64_t i = n16; i < n; i++)
+        lanes[i & (MS_LANES - 1)] = fmaf(ms_bf16_to_f32(w[i]), xp[i], lanes[i & (MS_LANES - 1)]);
+    return ms_lanes_reduce(lanes);
+}
+
+void ms_dot4_bf16_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const int64_t n = m->cols;
+    const int64_t n16 = n & ~(int64_t)15;
+    const uint16_t *w[4];
+    for (int r = 0; r < nrows; r++) w[r] = (const uint16_t *)(m->data + (row0 + r) * m->row_bytes);
+    if (nrows == 4) {
+        __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+        for (int64_t i = 0; i < n16; i += 16) {
+            __m256 x0 = _mm256_loadu_ps(xp + i), x1 = _mm256_loadu_ps(xp + i + 8), lo, hi;
+            bf16_unpack(w[0] + i, &lo, &hi);
+            a0 = _mm256_fmadd_ps(lo, x0, a0);
+            b0 = _mm256_fmadd_ps(hi, x1, b0);
+            bf16_unpack(w[1] + i, &lo, &hi);
+            a1 = _mm256_fmadd_ps(lo, x0, a1);
+            b1 = _mm256_fmadd_ps(hi, x1, b1);
+            bf16_unpack(w[2] + i, &lo, &hi);
+            a2 = _mm256_fmadd_ps(lo, x0, a2);
+            b2 = _mm256_fmadd_ps(hi, x1, b2);
+            bf16_unpack(w[3] + i, &lo, &hi);
+            a3 = _mm256_fmadd_ps(lo, x0, a3);
+            b3 = _mm256_fmadd_ps(hi, x1, b3);
+        }
+        out[0] = bf16_finish(a0, b0, w[0], xp, n16, n);
+        out[1] = bf16_finish(a1, b1, w[1], xp, n16, n);
+        out[2] = bf16_finish(a2, b2, w[2], xp, n16, n);
+        out[3] = bf16_finish(a3, b3, w[3], xp, n16, n);
+        return;
+    }
+    for (int r = 0; r < nrows; r++) {
+        __m256 a = _mm256_setzero_ps(), b = a, lo, hi;
+        for (int64_t i = 0; i < n16; i += 16) {
+            bf16_unpack(w[r] + i, &lo, &hi);
+            a = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xp + i), a);
+            b = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xp + i + 8), b);
+        }
+        out[r] = bf16_finish(a, b, w[r], xp, n16, n);
+    }
+}
+
+void ms_dequant_bf16_avx2(const ms_matrix *m, int64_t row, float *out) {
+    rowctx c = row_at(m, row);
+    const int64_t n = m->cols;
+    const int64_t n16 = n & ~(int64_t)15;
+    for (int64_t i = 0; i < n16; i += 16) {
+        __m256 w[2];
+        load_bf16(c, i, w);
+        _mm256_storeu_ps(out + i, w[0]);
+        _mm256_storeu_ps(out + i + 8, w[1]);
+    }
+    for (int64_t i = n16; i < n; i++) out[i] = ELEM_BF16(c, i);
+}

@@ -76,9 +76,11 @@ def test_matmul_independent_of_threads_and_batch(isa, fmt):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_isas_bit_identical(fmt):
-    """Every path follows the same canonical reduction order, so they agree to the bit."""
-    w = make_weight(fmt, 67, 301)
+@pytest.mark.parametrize("shape", [(67, 301), (40, 256), (9, 16), (5, 15)])
+def test_isas_bit_identical(fmt, shape):
+    """Every path follows the same canonical reduction order, so they agree to the bit (with and
+    without a tail of columns beyond the last full 16)."""
+    w = make_weight(fmt, *shape)
     x = np.random.default_rng(3).standard_normal((2, w.cols)).astype(np.float32)
     before = _C.get_isa()
     results = {}
