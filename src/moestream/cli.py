@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-text token")
     r.add_argument("--no-bos", action="store_true", help="do not add the BOS token to a text prompt")
     r.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="map weight pages on first use instead of at load (slower first tokens, less up-front work)",
+    )
+    r.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (prompt_ids, generated_ids, text, stats) instead of streaming text",
@@ -128,7 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .generate import GenerationStats, load
 
     path = Path(args.model) if args.model else default_model_path()
-    model = load(path, threads=args.threads)
+    model = load(path, threads=args.threads, preload=not args.no_preload)
     prompt = _read_prompt(args, model)
     if args.dump_logits is not None:
         parent = args.dump_logits.parent

@@ -159,11 +159,12 @@ class Model:
             stats.decode_seconds += time.perf_counter() - t1
 
 
-def load(path: str | os.PathLike[str], threads: int | None = None) -> Model:
+def load(path: str | os.PathLike[str], threads: int | None = None, preload: bool = True) -> Model:
     """Opens a checkpoint directory (config.json + safetensors + tokenizer). Weights are memory-mapped
-    and multiplied in their stored format; nothing is converted up front."""
+    and multiplied in their stored format; nothing is converted up front. preload maps every weight
+    page at load time (the whole checkpoint must fit in RAM), so the first tokens run at full speed."""
     p = Path(path)
-    ckpt = Checkpoint(p)
+    ckpt = Checkpoint(p, preload=preload)
     spec = models.read_spec(ckpt.config)
     decoder = models.build(ckpt, spec)
     tok = load_tokenizer(p)

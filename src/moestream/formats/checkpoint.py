@@ -25,8 +25,9 @@ def read_json(path: Path, what: str) -> Any:
 
 
 class Checkpoint:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, preload: bool = False):
         self.path = Path(path)
+        self.preload = preload
         if not self.path.exists():
             raise InputError(f"model directory {self.path} does not exist")
         if not self.path.is_dir():
@@ -85,7 +86,7 @@ class Checkpoint:
             )
         mf = self._maps.get(info.path)
         if mf is None:
-            mf = self._maps[info.path] = MappedFile(info.path)
+            mf = self._maps[info.path] = MappedFile(info.path, self.preload)
         return mf.view(info)
 
     def names(self, prefix: str = "") -> list[str]:

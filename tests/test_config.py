@@ -1,0 +1,81 @@
+"""Typed specs from config.json: what is refused (with the key named) and what both config styles
+(released checkpoints and transformers >= 5) mean."""
+
+from __future__ import annotations
+
+import pytest
+
+from moestream import models
+from moestream.errors import ConfigError
+from moestream.synth import DEFAULTS
+
+
+def cfg(arch: str, **changes) -> dict:
+    d = {"model_type": arch, **DEFAULTS[arch], "bos_token_id": 1, "eos_token_id": 2}
+    d.update(changes)
+    return {k: v for k, v in d.items() if v is not ...}
+
+
+@pytest.mark.parametrize(
+    ("arch", "changes", "message"),
+    [
+        ("qwen3_moe", {"hidden_size": ...}, "missing required key hidden_size"),
+        ("qwen3_moe", {"hidden_size": "128"}, "hidden_size must be int"),
+        ("qwen3_moe", {"num_attention_heads": True}, "num_attention_heads must be an integer"),
+        ("qwen3_moe", {"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+        ("qwen3_moe", {"num_experts_per_tok": 17}, "exceeds"),
+        ("qwen3_moe", {"rope_theta": ...}, "rope_theta"),
+        ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act"),
+        ("mixtral", {"vocab_size": 0}, "vocab_size must be positive"),
+        ("mixtral", {"rope_scaling": {"rope_type": "longrope"}}, "unsupported rope type"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
+        ("deepseek_v3", {"topk_method": "greedy"}, "topk_method"),
+        ("deepseek_v3", {"n_group": 3}, "not divisible by n_group"),
+        ("deepseek_v3", {"topk_group": 5}, "topk_group"),
+        ("deepseek_v3", {"kv_lora_rank": ...}, "kv_lora_rank"),
+        ("deepseek_v3", {"rope_scaling": {"type": "yarn"}}, "factor"),
+    ],
+)
+def test_refused(arch, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        models.read_spec(cfg(arch, **changes))
+
+
+def test_unknown_model_type():
+    with pytest.raises(ConfigError, match="unknown model_type 'gpt2'"):
+        models.read_spec({"model_type": "gpt2"})
+
+
+def test_rope_scaling_and_rope_parameters_agree():
+    """The released DeepSeek-V3 config (rope_theta + rope_scaling) and the transformers >= 5 form
+    (rope_parameters) give the same spec."""
+    yarn = {
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    old = models.read_spec(cfg("deepseek_v3", rope_theta=10000.0, rope_scaling={"type": "yarn", **yarn}))
+    new = models.read_spec(
+        cfg(
+            "deepseek_v3",
+            rope_theta=...,
+            rope_scaling=...,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **yarn},
+        )
+    )
+    assert old == new
+    assert old.rope.kind == "yarn" and old.rope.interleave  # DeepSeek rotates interleaved pairs
+
+
+def test_kimi_k2_is_deepseek_v3():
+    spec = models.read_spec(cfg("deepseek_v3", model_type="kimi_k2"))
+    assert type(spec).__name__ == "DeepseekV3Spec" and spec.model_type == "kimi_k2"
+
+
+def test_qwen3_moe_accepts_both_expert_count_keys():
+    a = models.read_spec(cfg("qwen3_moe"))
+    b = models.read_spec(cfg("qwen3_moe", num_experts=..., num_local_experts=DEFAULTS["qwen3_moe"]["num_experts"]))
+    assert a == b
