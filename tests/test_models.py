@@ -4,6 +4,7 @@ results at 1 and 2 threads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import hf_models
 import moestream
 from moestream.formats.safetensors import read_header, write_file
 from moestream.quant.formats import FORMATS, dequantize_reference, quantize_fp8_reference
@@ -63,6 +65,16 @@ def test_all_position_logits_match_transformers(case):
     assert rel_err(ours, theirs) <= REL_TOL
 
 
+@contextlib.contextmanager
+def restored(hf):
+    """Lets a test change the transformers model's weights and puts them back afterwards."""
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    try:
+        yield hf
+    finally:
+        hf.load_state_dict(state)
+
+
 def _rewrite_tensors(src: Path, dst: Path, convert) -> None:
     """Copies a single-file checkpoint, passing every tensor through convert(name, array) -> dict."""
     shutil.copytree(src, dst)
@@ -81,19 +93,12 @@ def test_bf16_checkpoint(case, tmp_path):
     run in float32 on the same bf16-rounded weights within the same 1e-4 bound."""
     dst = tmp_path / "bf16"
     _rewrite_tensors(case.path, dst, lambda n, a: {n: a.astype(ml_dtypes.bfloat16) if "norm" not in n else a})
-    hf = case.hf
-    state = {k: v.clone() for k, v in hf.state_dict().items()}
-    try:
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if "norm" not in name:
-                    p.copy_(p.to(torch.bfloat16).to(torch.float32))
-        prompt = case.prompt(8)
-        import hf_models
-
+    prompt = case.prompt(8)
+    with restored(case.hf) as hf, torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
         ref = hf_models.hf_generate(hf, prompt, 32)
-    finally:
-        hf.load_state_dict(state)
     ids, logits = run(dst, prompt)
     assert ids == ref.ids
     assert rel_err(logits, ref.logits) <= REL_TOL
@@ -119,22 +124,15 @@ def test_fp8_block_scaled_checkpoint(case, tmp_path):
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     (dst / "config.json").write_text(json.dumps(cfg))
     assert fp8_names
-    hf = case.hf
-    state = {k: v.clone() for k, v in hf.state_dict().items()}
-    try:
+    prompt = case.prompt(8)
+    with restored(case.hf) as hf, torch.no_grad():
         sd = hf.state_dict()
-        with torch.no_grad():
-            for name, deq in fp8_names.items():
-                if name in sd:
-                    sd[name].copy_(torch.from_numpy(deq))
-                else:  # per-expert names map onto transformers' fused expert tensors
-                    _load_expert(hf, name, deq)
-        prompt = case.prompt(8)
-        import hf_models
-
+        for name, deq in fp8_names.items():
+            if name in sd:
+                sd[name].copy_(torch.from_numpy(deq))
+            else:  # per-expert names map onto transformers' fused expert tensors
+                _load_expert(hf, name, deq)
         ref = hf_models.hf_generate(hf, prompt, 32)
-    finally:
-        hf.load_state_dict(state)
     ids, logits = run(dst, prompt)
     assert ids == ref.ids
     assert rel_err(logits, ref.logits) <= REL_TOL

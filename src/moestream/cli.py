@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,24 +17,17 @@ import numpy as np
 from .errors import InputError, MoeStreamError
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        return v
 
-
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
-    return v
+    return parse
 
 
 def _parse_ids(s: str) -> list[int]:
@@ -60,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", "-p", help="prompt text")
     src.add_argument("--prompt-file", "-f", type=Path, help="read the prompt text from this file")
     src.add_argument("--ids", help="prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed)")
-    r.add_argument("--gen", "-n", type=_nonneg_int, default=32, help="tokens to generate (default 32)")
-    r.add_argument("--threads", "-t", type=_positive_int, default=None, help="kernel threads (default: all cores)")
+    r.add_argument("--gen", "-n", type=_int_at_least(0), default=32, help="tokens to generate (default 32)")
+    r.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
     r.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (checking)")
     r.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-text token")
     r.add_argument("--no-bos", action="store_true", help="do not add the BOS token to a text prompt")

@@ -11,7 +11,7 @@ from typing import Any
 from ..config import Keys, ModelSpec, RopeSpec, check_experts, check_heads, read_common, read_rope
 from ..errors import ConfigError
 from ..formats.checkpoint import Checkpoint
-from .base import Block, Decoder, DenseMLP, Linear, MLAttention, MoE, Rope, SigmoidGroupRouter
+from .base import Decoder, DenseMLP, Linear, MLAttention, MoE, Rope, SigmoidGroupRouter
 from .loading import Tensors
 
 # q_a_layernorm and kv_a_layernorm are built with the RMSNorm default eps in the reference, not
@@ -154,11 +154,7 @@ def build(ckpt: Checkpoint, s: DeepseekV3Spec) -> Decoder:
         m = f"{p}.mlp"
         ffn: DenseMLP | MoE
         if i < s.first_k_dense_replace:
-            ffn = DenseMLP(
-                t.weight(f"{m}.gate_proj.weight", s.intermediate_size, E),
-                t.weight(f"{m}.up_proj.weight", s.intermediate_size, E),
-                t.weight(f"{m}.down_proj.weight", E, s.intermediate_size),
-            )
+            ffn = t.dense_mlp(m, s.intermediate_size, E)
         else:
             I = s.moe_intermediate_size  # noqa: E741
             router = SigmoidGroupRouter(
@@ -173,22 +169,7 @@ def build(ckpt: Checkpoint, s: DeepseekV3Spec) -> Decoder:
             experts = t.experts([f"{m}.experts"], ("gate_proj", "up_proj", "down_proj"), s.n_routed_experts, E, I)
             shared = None
             if s.n_shared_experts:
-                SI = I * s.n_shared_experts
-                shared = DenseMLP(
-                    t.weight(f"{m}.shared_experts.gate_proj.weight", SI, E),
-                    t.weight(f"{m}.shared_experts.up_proj.weight", SI, E),
-                    t.weight(f"{m}.shared_experts.down_proj.weight", E, SI),
-                )
+                shared = t.dense_mlp(f"{m}.shared_experts", I * s.n_shared_experts, E)
             ffn = MoE(router, experts, shared)
-        blocks.append(
-            Block(
-                t.vector(f"{p}.input_layernorm.weight", E),
-                attn,
-                t.vector(f"{p}.post_attention_layernorm.weight", E),
-                ffn,
-                s.rms_norm_eps,
-            )
-        )
-    embed = t.weight("model.embed_tokens.weight", s.vocab_size, E)
-    head = embed if s.tie_word_embeddings else t.weight("lm_head.weight", s.vocab_size, E)
-    return Decoder(embed, blocks, t.vector("model.norm.weight", E), head, s.rms_norm_eps, s.vocab_size)
+        blocks.append(t.block(p, attn, ffn, s))
+    return t.decoder(blocks, s)

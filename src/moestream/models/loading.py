@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import ModelSpec
 from ..errors import CheckpointError
 from ..formats.checkpoint import Checkpoint
 from ..quant import Weight
 from ..quant.formats import fp8_scale_shape
-from .base import Expert
+from .base import FFN, Attention, Block, Decoder, DenseMLP, Expert
 
 
 class Tensors:
@@ -77,3 +78,29 @@ class Tensors:
                     for e in range(n)
                 ]
         raise CheckpointError(f"{self.ckpt.path}: missing tensor {prefixes[0]}.0.{g}.weight (routed experts)")
+
+    def dense_mlp(self, prefix: str, inter: int, hidden: int) -> DenseMLP:
+        """{prefix}.gate_proj / up_proj [inter, hidden] and down_proj [hidden, inter]."""
+        return DenseMLP(
+            self.weight(f"{prefix}.gate_proj.weight", inter, hidden),
+            self.weight(f"{prefix}.up_proj.weight", inter, hidden),
+            self.weight(f"{prefix}.down_proj.weight", hidden, inter),
+        )
+
+    def block(self, prefix: str, attn: Attention, ffn: FFN, spec: ModelSpec) -> Block:
+        """A pre-norm decoder layer with {prefix}.input_layernorm and post_attention_layernorm."""
+        E = spec.hidden_size
+        return Block(
+            self.vector(f"{prefix}.input_layernorm.weight", E),
+            attn,
+            self.vector(f"{prefix}.post_attention_layernorm.weight", E),
+            ffn,
+            spec.rms_norm_eps,
+        )
+
+    def decoder(self, blocks: list[Block], spec: ModelSpec) -> Decoder:
+        """model.embed_tokens, model.norm and lm_head (or the embedding, when tied) around the blocks."""
+        E, V = spec.hidden_size, spec.vocab_size
+        embed = self.weight("model.embed_tokens.weight", V, E)
+        head = embed if spec.tie_word_embeddings else self.weight("lm_head.weight", V, E)
+        return Decoder(embed, blocks, self.vector("model.norm.weight", E), head, spec.rms_norm_eps, V)

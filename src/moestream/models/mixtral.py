@@ -9,7 +9,7 @@ from typing import Any
 from ..config import Keys, ModelSpec, RopeSpec, check_experts, check_heads, read_common, read_rope
 from ..errors import ConfigError
 from ..formats.checkpoint import Checkpoint
-from .base import Block, Decoder, GQAttention, Linear, MoE, Rope, SoftmaxRouter
+from .base import Decoder, GQAttention, Linear, MoE, Rope, SoftmaxRouter
 from .loading import Tensors
 
 
@@ -80,15 +80,5 @@ def build(ckpt: Checkpoint, s: MixtralSpec) -> Decoder:
             t.weight(f"{moe}.gate.weight", s.num_local_experts, E), s.num_experts_per_tok, renormalize=True
         )
         experts = t.experts([f"{moe}.experts"], ("w1", "w3", "w2"), s.num_local_experts, E, s.intermediate_size)
-        blocks.append(
-            Block(
-                t.vector(f"{p}.input_layernorm.weight", E),
-                attn,
-                t.vector(f"{p}.post_attention_layernorm.weight", E),
-                MoE(router, experts, None),
-                s.rms_norm_eps,
-            )
-        )
-    embed = t.weight("model.embed_tokens.weight", s.vocab_size, E)
-    head = embed if s.tie_word_embeddings else t.weight("lm_head.weight", s.vocab_size, E)
-    return Decoder(embed, blocks, t.vector("model.norm.weight", E), head, s.rms_norm_eps, s.vocab_size)
+        blocks.append(t.block(p, attn, MoE(router, experts, None), s))
+    return t.decoder(blocks, s)

@@ -9,7 +9,7 @@ from typing import Any
 from ..config import Keys, ModelSpec, RopeSpec, check_experts, check_heads, read_common, read_rope
 from ..errors import ConfigError
 from ..formats.checkpoint import Checkpoint
-from .base import Block, Decoder, DenseMLP, GQAttention, Linear, MoE, Rope, SoftmaxRouter
+from .base import Decoder, DenseMLP, GQAttention, Linear, MoE, Rope, SoftmaxRouter
 from .loading import Tensors
 
 
@@ -111,20 +111,6 @@ def build(ckpt: Checkpoint, s: Qwen3MoeSpec) -> Decoder:
             experts = t.experts([f"{m}.experts"], ("gate_proj", "up_proj", "down_proj"), s.num_experts, E, I)
             ffn = MoE(router, experts, None)
         else:
-            ffn = DenseMLP(
-                t.weight(f"{m}.gate_proj.weight", s.intermediate_size, E),
-                t.weight(f"{m}.up_proj.weight", s.intermediate_size, E),
-                t.weight(f"{m}.down_proj.weight", E, s.intermediate_size),
-            )
-        blocks.append(
-            Block(
-                t.vector(f"{p}.input_layernorm.weight", E),
-                attn,
-                t.vector(f"{p}.post_attention_layernorm.weight", E),
-                ffn,
-                s.rms_norm_eps,
-            )
-        )
-    embed = t.weight("model.embed_tokens.weight", s.vocab_size, E)
-    head = embed if s.tie_word_embeddings else t.weight("lm_head.weight", s.vocab_size, E)
-    return Decoder(embed, blocks, t.vector("model.norm.weight", E), head, s.rms_norm_eps, s.vocab_size)
+            ffn = t.dense_mlp(m, s.intermediate_size, E)
+        blocks.append(t.block(p, attn, ffn, s))
+    return t.decoder(blocks, s)
