@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--no-preload",
         action="store_true",
-        help="map weight pages on first use instead of at load (slower first tokens, less up-front work)",
+        help="map weight pages on first use instead of reading them all at load (the default when they fit)",
     )
     r.add_argument(
         "--json",
@@ -127,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .generate import GenerationStats, load
 
     path = Path(args.model) if args.model else default_model_path()
-    model = load(path, threads=args.threads, preload=not args.no_preload)
+    model = load(path, threads=args.threads, preload=False if args.no_preload else None)
     prompt = _read_prompt(args, model)
     if args.dump_logits is not None:
         parent = args.dump_logits.parent

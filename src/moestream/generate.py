@@ -159,12 +159,27 @@ class Model:
             stats.decode_seconds += time.perf_counter() - t1
 
 
-def load(path: str | os.PathLike[str], threads: int | None = None, preload: bool = True) -> Model:
-    """Opens a checkpoint directory (config.json + safetensors + tokenizer). Weights are memory-mapped
-    and multiplied in their stored format; nothing is converted up front. preload maps every weight
-    page at load time (the whole checkpoint must fit in RAM), so the first tokens run at full speed."""
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo in bytes (0 if unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def load(path: str | os.PathLike[str], threads: int | None = None, preload: bool | None = None) -> Model:
+    """Opens a checkpoint directory (config.json + safetensors + tokenizer). Weights are multiplied in
+    their stored format from a memory map; nothing is converted. preload=True reads and maps every page
+    at load time (no page faults while generating), False maps pages on first use, None (default)
+    preloads when the checkpoint takes less than 3/4 of the available memory."""
     p = Path(path)
-    ckpt = Checkpoint(p, preload=preload)
+    probe = Checkpoint(p)
+    if preload is None:
+        preload = probe.nbytes < 0.75 * available_memory()
+    ckpt = Checkpoint(p, preload=preload) if preload else probe
     spec = models.read_spec(ckpt.config)
     decoder = models.build(ckpt, spec)
     tok = load_tokenizer(p)

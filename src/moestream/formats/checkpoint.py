@@ -68,6 +68,10 @@ class Checkpoint:
                         raise CheckpointError(f"{self.path}: tensor {name} appears in two files")
                     self.tensors[name] = info
 
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.tensors.values())
+
     def has(self, name: str) -> bool:
         return name in self.tensors
 

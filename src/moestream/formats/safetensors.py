@@ -110,7 +110,7 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
 class MappedFile:
     """One read-only memory map per file, shared by all tensor views into it. With preload, every page
-    is mapped up front (one madvise), so the first token does not pay a page fault per 4 KiB."""
+    is read and mapped up front (one madvise), so no token pays a page fault."""
 
     def __init__(self, path: Path, preload: bool = False):
         self.path = path
@@ -118,18 +118,13 @@ class MappedFile:
             self.map = np.memmap(path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot map: {e}") from None
-        if preload:
-            self._preload()
-
-    def _preload(self) -> None:
         m = getattr(self.map, "_mmap", None)
-        if m is None:
-            return
-        try:
-            m.madvise(MADV_POPULATE_READ)
-        except (OSError, ValueError):  # older kernel: at least start reading ahead
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                m.madvise(mmap.MADV_WILLNEED)
+        if preload and m is not None:
+            try:
+                m.madvise(MADV_POPULATE_READ)
+            except (OSError, ValueError):  # older kernel: at least start reading ahead
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    m.madvise(mmap.MADV_WILLNEED)
 
     def view(self, info: TensorInfo) -> np.ndarray:
         raw = self.map[info.offset : info.offset + info.nbytes]
