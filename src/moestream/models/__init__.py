@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "kimi_k2": "deepseek_v3",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "kimi_linear": "kimi_linear",
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -460,7 +460,14 @@ class MoE:
 
 
 FFN = DenseMLP | MoE
-Attention = GQAttention | MLAttention
+
+
+class Attention(Protocol):
+    """Any token mixer: GQA, MLA, KDA. The cache holds whatever it carries between calls."""
+
+    def new_cache(self) -> Any: ...
+
+    def __call__(self, x: np.ndarray, cache: Any, ctx: Ctx) -> np.ndarray: ...
 
 
 # ---- the decoder ----------------------------------------------------------------------------------
@@ -475,7 +482,7 @@ class Block:
     eps: float
 
     def __call__(self, x: np.ndarray, cache: Cache, ctx: Ctx) -> np.ndarray:
-        h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, ctx)  # type: ignore[arg-type]
+        h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, ctx)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps), ctx)
 
 
@@ -483,7 +490,7 @@ class Block:
 class State:
     """Everything a sequence carries between calls: the caches of every layer and the ids so far."""
 
-    caches: list[Cache]
+    caches: list[Any]
     ids: list[int] = field(default_factory=list)
 
     @property

@@ -1,0 +1,109 @@
+"""Kimi Delta Attention (KDA): short causal convolutions with carried history, L2-normalised q/k,
+per-channel decay gate, the delta-rule recurrence over a fixed-size state per head, and a head-wise
+RMSNorm followed by a sigmoid output gate. Used by Kimi Linear and Kimi K3.
+
+Shapes: T tokens, H heads, D head dim, P = H*D, K conv width, E hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import Ctx, Linear, rms_norm, sigmoid, silu
+
+
+@dataclass
+class KDAState:
+    """conv: the last K-1 inputs of the q|k|v convolutions [K-1, 3P]; S: the recurrent state [H, D, D]
+    (key dim, value dim); length: tokens seen."""
+
+    conv: np.ndarray
+    S: np.ndarray
+    length: int = 0
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), linear above 20 as the reference computes it."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(np.float32)
+
+
+def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
+
+
+class KDAttention:
+    def __init__(
+        self,
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        conv: np.ndarray,  # [3P, K] f32: q, k, v channels in that order
+        f_a: Linear,  # [D, E]
+        f_b: Linear,  # [P, D]
+        dt_bias: np.ndarray,  # [P]
+        a_log: np.ndarray,  # [H]
+        b: Linear,  # [H, E]
+        gate: Callable[[np.ndarray, Ctx], np.ndarray],  # x [T, E] -> [T, P] (before the sigmoid)
+        o_norm: np.ndarray,  # [D]
+        o: Linear,  # [E, P]
+        heads: int,
+        head_dim: int,
+        eps: float,
+        gate_lower_bound: float | None = None,
+    ):
+        self.q, self.k, self.v, self.conv = q, k, v, np.ascontiguousarray(conv, np.float32)
+        self.f_a, self.f_b, self.dt_bias, self.a_log = f_a, f_b, dt_bias, np.asarray(a_log, np.float32)
+        self.b, self.gate, self.o_norm, self.o = b, gate, o_norm, o
+        self.heads, self.head_dim, self.eps = heads, head_dim, eps
+        self.lb = gate_lower_bound
+
+    def new_cache(self) -> KDAState:
+        P, K = self.heads * self.head_dim, self.conv.shape[1]
+        return KDAState(
+            np.zeros((K - 1, 3 * P), np.float32), np.zeros((self.heads, self.head_dim, self.head_dim), np.float32)
+        )
+
+    def _conv(self, qkv: np.ndarray, state: KDAState) -> np.ndarray:
+        """Causal depthwise convolution of width K over time, then SiLU; state.conv carries history."""
+        K = self.conv.shape[1]
+        full = np.concatenate([state.conv, qkv], axis=0)  # [K-1+T, 3P]
+        T = qkv.shape[0]
+        out = np.zeros_like(qkv)
+        for j in range(K):  # out[t] = sum_j w[:, j] * full[t + j]
+            out += self.conv[:, j] * full[j : j + T]
+        state.conv = full[T:].copy() if K > 1 else state.conv
+        return silu(out)
+
+    def decay(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        """log of the per-channel decay, g [T, H, D]."""
+        T, H, D = x.shape[0], self.heads, self.head_dim
+        z = (self.f_b(self.f_a(x, ctx), ctx) + self.dt_bias).reshape(T, H, D)
+        a = np.exp(self.a_log)[None, :, None]  # one value per head
+        if self.lb is None:
+            return (-a * softplus(z)).astype(np.float32)
+        return (np.float32(self.lb) * sigmoid(a * z)).astype(np.float32)
+
+    def __call__(self, x: np.ndarray, cache: KDAState, ctx: Ctx) -> np.ndarray:
+        state = cache
+        T, H, D = x.shape[0], self.heads, self.head_dim
+        P = H * D
+        qkv = np.concatenate([self.q(x, ctx), self.k(x, ctx), self.v(x, ctx)], axis=1)  # [T, 3P]
+        qkv = self._conv(qkv, state)
+        q = l2norm(qkv[:, :P].reshape(T, H, D)) * np.float32(D**-0.5)
+        k = l2norm(qkv[:, P : 2 * P].reshape(T, H, D))
+        v = qkv[:, 2 * P :].reshape(T, H, D)
+        alpha = np.exp(self.decay(x, ctx))  # [T, H, D]
+        beta = sigmoid(self.b(x, ctx))  # [T, H]
+        S = state.S  # [H, Dk, Dv]
+        o = np.empty((T, H, D), np.float32)
+        for t in range(T):
+            S *= alpha[t][:, :, None]
+            u = np.einsum("hkv,hk->hv", S, k[t])  # what the state predicts for k
+            S += k[t][:, :, None] * ((v[t] - u) * beta[t][:, None])[:, None, :]
+            o[t] = np.einsum("hkv,hk->hv", S, q[t])
+        state.length += T
+        o = rms_norm(o, self.o_norm, self.eps) * sigmoid(self.gate(x, ctx).reshape(T, H, D))
+        return self.o(o.reshape(T, P).astype(np.float32), ctx)
