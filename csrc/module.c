@@ -41,7 +41,15 @@ static int make_matrix(int fmt, Py_buffer *w, Py_buffer *s, int has_scales, long
             PyErr_Format(PyExc_ValueError, "fp8 weight needs a float32 block-scale buffer of %lld bytes", need);
             return -1;
         }
-        m->scales = (const float *)s->buf;
+        m->scales = s->buf;
+    }
+    if (fmt == MS_MXFP4) {
+        long long need = rows * (cols / 32);
+        if (!has_scales || s->len < need) {
+            PyErr_Format(PyExc_ValueError, "mxfp4 weight needs a uint8 E8M0 scale buffer of %lld bytes", need);
+            return -1;
+        }
+        m->scales = s->buf;
     }
     return 0;
 }

@@ -22,6 +22,7 @@ typedef enum {
     MS_BF16 = 1,
     MS_F16 = 2,
     MS_FP8_E4M3_B128 = 3, /* e4m3 bytes with a f32 scale per 128x128 block (DeepSeek-V3 weight_scale_inv) */
+    MS_MXFP4 = 4,         /* OCP MXFP4: E2M1 nibbles (low nibble = even column), one E8M0 byte per 32 */
     MS_NUM_FORMATS
 } ms_format;
 
@@ -31,7 +32,7 @@ typedef enum { MS_ISA_SCALAR = 0, MS_ISA_AVX2 = 1, MS_ISA_AVX512 = 2, MS_NUM_ISA
 typedef struct {
     ms_format fmt;
     const uint8_t *data;  /* rows * row_bytes */
-    const float *scales;  /* fp8: [ceil(rows/128), ceil(cols/128)] f32; NULL otherwise */
+    const void *scales;   /* fp8: [ceil(rows/128), ceil(cols/128)] f32; mxfp4: [rows, cols/32] u8 */
     int64_t rows, cols;
     int64_t row_bytes;
 } ms_matrix;
@@ -68,9 +69,20 @@ static inline float ms_bf16_to_f32(uint16_t h) {
 
 float ms_f16_to_f32(uint16_t h);
 
+/* E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} with bit 3 as the sign, as f32 and doubled as int8 (the
+ * doubled values are exact small integers, which the SIMD paths look up with a byte shuffle). */
+extern const float ms_e2m1_lut[16];
+extern const int8_t ms_e2m1_x2_lut[16];
+extern float ms_e8m0_lut[256];      /* 2^(s-127); 255 is NaN */
+extern float ms_e8m0_half_lut[256]; /* 2^(s-128): pairs with the doubled nibble values */
+
 static inline const float *ms_fp8_scale_row(const ms_matrix *m, int64_t row) {
     int64_t ncb = (m->cols + 127) / 128;
-    return m->scales + (row / 128) * ncb;
+    return (const float *)m->scales + (row / 128) * ncb;
+}
+
+static inline const uint8_t *ms_mxfp4_scale_row(const ms_matrix *m, int64_t row) {
+    return (const uint8_t *)m->scales + row * (m->cols / 32);
 }
 
 /* Per-format, per-ISA kernels: quant_float.c (scalar), quant_float_avx2.c, quant_float_avx512.c. */
@@ -83,6 +95,7 @@ MS_DECLARE_ALL_ISAS(f32)
 MS_DECLARE_ALL_ISAS(bf16)
 MS_DECLARE_ALL_ISAS(f16)
 MS_DECLARE_ALL_ISAS(fp8)
+MS_DECLARE_ALL_ISAS(mxfp4)
 void ms_prep_x_bf16_avx2(const float *x, int64_t n, float *xp);
 
 #endif

@@ -7,6 +7,11 @@
 #include "quant.h"
 
 float ms_fp8_e4m3_lut[256];
+const float ms_e2m1_lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f}; /* -0 decodes as +0 */
+const int8_t ms_e2m1_x2_lut[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+float ms_e8m0_lut[256];
+float ms_e8m0_half_lut[256];
 
 float ms_lanes_reduce(const float lanes[MS_LANES]) {
     float l[MS_LANES];
@@ -52,7 +57,11 @@ static float fp8_e4m3_decode(uint8_t b) {
 }
 
 void ms_quant_init(void) {
-    for (int i = 0; i < 256; i++) ms_fp8_e4m3_lut[i] = fp8_e4m3_decode((uint8_t)i);
+    for (int i = 0; i < 256; i++) {
+        ms_fp8_e4m3_lut[i] = fp8_e4m3_decode((uint8_t)i);
+        ms_e8m0_lut[i] = i == 255 ? NAN : ldexpf(1.0f, i - 127);
+        ms_e8m0_half_lut[i] = i == 255 ? NAN : ldexpf(1.0f, i - 128);
+    }
 }
 
 /* ---- scalar dequantization ---------------------------------------------------------------- */
@@ -77,6 +86,15 @@ void ms_dequant_fp8_scalar(const ms_matrix *m, int64_t row, float *out) {
     for (int64_t i = 0; i < m->cols; i++) out[i] = ms_fp8_e4m3_lut[w[i]] * s[i / 128];
 }
 
+void ms_dequant_mxfp4_scalar(const ms_matrix *m, int64_t row, float *out) {
+    const uint8_t *w = m->data + row * m->row_bytes;
+    const uint8_t *s = ms_mxfp4_scale_row(m, row);
+    for (int64_t i = 0; i < m->cols; i++) {
+        uint8_t nib = (w[i / 2] >> ((i & 1) * 4)) & 0xf;
+        out[i] = ms_e2m1_lut[nib] * ms_e8m0_lut[s[i / 32]];
+    }
+}
+
 /* ---- scalar dot: dequantize a chunk, then the canonical lane FMA ---------------------------- */
 
 #define CHUNK 512 /* a multiple of MS_LANES and of 128 */
@@ -95,6 +113,11 @@ static void dot4_scalar_generic(const ms_matrix *m, int64_t row0, int nrows, con
                 /* column offset c0 is a multiple of 128: shift data and scales together */
                 sub.data = m->data + (row0 + r) * m->row_bytes + c0;
                 sub.scales = ms_fp8_scale_row(m, row0 + r) + c0 / 128;
+                sub.rows = 1;
+            } else if (m->fmt == MS_MXFP4) {
+                /* one row of n columns starting at c0 (a multiple of 32): its bytes and scales */
+                sub.data = m->data + (row0 + r) * m->row_bytes + c0 / 2;
+                sub.scales = ms_mxfp4_scale_row(m, row0 + r) + c0 / 32;
                 sub.rows = 1;
             } else {
                 int64_t esize = m->row_bytes / m->cols;
@@ -123,6 +146,9 @@ void ms_dot4_f16_scalar(const ms_matrix *m, int64_t row0, int nrows, const float
 void ms_dot4_fp8_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
     dot4_scalar_generic(m, row0, nrows, x, out, ms_dequant_fp8_scalar);
 }
+void ms_dot4_mxfp4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
+    dot4_scalar_generic(m, row0, nrows, x, out, ms_dequant_mxfp4_scalar);
+}
 
 /* ---- the table ---------------------------------------------------------------------------- */
 
@@ -137,4 +163,5 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_BF16] = ROW(bf16, 1, 2, ms_prep_x_bf16_avx2),
     [MS_F16] = ROW(f16, 1, 2, NULL),
     [MS_FP8_E4M3_B128] = ROW(fp8, 1, 1, NULL),
+    [MS_MXFP4] = ROW(mxfp4, 32, 16, NULL),
 };

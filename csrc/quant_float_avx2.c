@@ -1,6 +1,6 @@
 /* AVX2 + FMA + F16C kernels for the float formats; compiled for that target, called only when the
  * CPU has it (see dispatch in matmul.c). */
-#pragma GCC target("avx2,fma,f16c")
+#pragma GCC target("avx2,fma,f16c,ssse3")
 #include <immintrin.h>
 #include <math.h>
 
@@ -45,7 +45,17 @@ static inline void load_fp8(rowctx c, int64_t i, __m256 w[2]) {
     w[1] = _mm256_mul_ps(_mm256_i32gather_ps(ms_fp8_e4m3_lut, i1, 4), s);
 }
 
+/* The doubled E2M1 value times half the E8M0 scale: both exact, so the product is the scalar path's
+ * lut[nibble] * 2^(s-127) to the bit. */
+static inline void load_mxfp4(rowctx c, int64_t i, __m256 w[2]) {
+    __m128i v = mxfp4_x2_int8(c, i);
+    __m256 s = _mm256_set1_ps(ms_e8m0_half_lut[c.s8[i / 32]]);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), s);
+}
+
 DEFINE_DOT(f32, avx2, load_f32, ELEM_F32)
+DEFINE_DOT(mxfp4, avx2, load_mxfp4, ELEM_MXFP4)
 DEFINE_DOT(f16, avx2, load_f16, ELEM_F16)
 DEFINE_DOT(fp8, avx2, load_fp8, ELEM_FP8)
 

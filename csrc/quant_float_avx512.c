@@ -1,5 +1,5 @@
 /* AVX-512 (F, BW, VL) kernels for the float formats; called only when the CPU has them. */
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c,ssse3")
 #include <immintrin.h>
 #include <math.h>
 
@@ -31,7 +31,13 @@ static inline void load_fp8(rowctx c, int64_t i, __m512 w[1]) {
     w[0] = _mm512_mul_ps(_mm512_i32gather_ps(idx, ms_fp8_e4m3_lut, 4), _mm512_set1_ps(c.s[i / 128]));
 }
 
+static inline void load_mxfp4(rowctx c, int64_t i, __m512 w[1]) {
+    __m128i v = mxfp4_x2_int8(c, i);
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), _mm512_set1_ps(ms_e8m0_half_lut[c.s8[i / 32]]));
+}
+
 DEFINE_DOT(f32, avx512, load_f32, ELEM_F32)
+DEFINE_DOT(mxfp4, avx512, load_mxfp4, ELEM_MXFP4)
 DEFINE_DOT(bf16, avx512, load_bf16, ELEM_BF16)
 DEFINE_DOT(f16, avx512, load_f16, ELEM_F16)
 DEFINE_DOT(fp8, avx512, load_fp8, ELEM_FP8)

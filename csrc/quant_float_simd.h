@@ -7,15 +7,27 @@
  * with scalar fmaf on the same lanes, then ms_lanes_reduce, exactly as the scalar path. */
 
 typedef struct {
-    const uint8_t *p;  /* row start */
-    const float *s;    /* fp8: this row's block scales */
+    const uint8_t *p;   /* row start */
+    const float *s;     /* fp8: this row's block scales */
+    const uint8_t *s8;  /* mxfp4: this row's E8M0 scales */
 } rowctx;
 
 static inline rowctx row_at(const ms_matrix *m, int64_t row) {
     rowctx c;
     c.p = m->data + row * m->row_bytes;
     c.s = m->fmt == MS_FP8_E4M3_B128 ? ms_fp8_scale_row(m, row) : NULL;
+    c.s8 = m->fmt == MS_MXFP4 ? ms_mxfp4_scale_row(m, row) : NULL;
     return c;
+}
+
+/* The 16 E2M1 nibbles of elements i..i+15 (i a multiple of 16), in element order, as doubled int8
+ * values (exact small integers): one byte shuffle. */
+static inline __m128i mxfp4_x2_int8(rowctx c, int64_t i) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)(c.p + i / 2));
+    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0f));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f));
+    __m128i nib = _mm_unpacklo_epi8(lo, hi); /* element 2j = low nibble of byte j */
+    return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)ms_e2m1_x2_lut), nib);
 }
 
 #define DEFINE_DOT(NAME, ISA, LOADFN, ELEMFN)                                                       \
@@ -84,3 +96,4 @@ static inline rowctx row_at(const ms_matrix *m, int64_t row) {
 #define ELEM_BF16(c, i) ms_bf16_to_f32(((const uint16_t *)(c).p)[i])
 #define ELEM_F16(c, i) ms_f16_to_f32(((const uint16_t *)(c).p)[i])
 #define ELEM_FP8(c, i) (ms_fp8_e4m3_lut[(c).p[i]] * (c).s[(i) / 128])
+#define ELEM_MXFP4(c, i) (ms_e2m1_lut[((c).p[(i) / 2] >> (((i) & 1) * 4)) & 0xf] * ms_e8m0_lut[(c).s8[(i) / 32]])

@@ -10,10 +10,11 @@ import pytest
 
 from moestream import _C
 from moestream.quant import FORMATS, Weight, dequantize_reference
-from moestream.quant.formats import quantize_fp8_reference
+from moestream.quant.formats import quantize_fp8_reference, quantize_mxfp4_reference
 
 ISAS = ["scalar", "avx2", "avx512"]
 SHAPES = [(1, 1), (5, 17), (37, 53), (130, 300), (64, 2048)]
+MX_SHAPES = [(1, 32), (5, 64), (37, 96), (130, 320), (64, 2048)]  # mxfp4: cols divisible by 32
 
 
 @pytest.fixture(params=ISAS)
@@ -40,13 +41,22 @@ def make_weight(fmt: str, rows: int, cols: int, seed: int = 0) -> Weight:
         w *= np.exp(rng.standard_normal((rows, 1))).astype(np.float32)
         q, s = quantize_fp8_reference(w)
         return Weight(q, s)
+    if fmt == "mxfp4":
+        w *= np.exp(rng.standard_normal((rows, 1))).astype(np.float32)
+        packed, s8 = quantize_mxfp4_reference(w)
+        return Weight(packed, s8, fmt="mxfp4")
     raise AssertionError(fmt)
+
+
+def shape_for(fmt: str, shape: tuple[int, int]) -> tuple[int, int]:
+    """mxfp4 rows are whole blocks of 32: round the column count up."""
+    return (shape[0], -(-shape[1] // 32) * 32) if fmt == "mxfp4" else shape
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_dequant_bit_exact(isa, fmt, shape):
-    w = make_weight(fmt, *shape)
+    w = make_weight(fmt, *shape_for(fmt, shape))
     ref = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols)
     got = w.dequantize(threads=2)
     assert got.tobytes() == ref.tobytes()
@@ -55,7 +65,7 @@ def test_dequant_bit_exact(isa, fmt, shape):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matmul_within_bound(isa, fmt, shape):
-    w = make_weight(fmt, *shape)
+    w = make_weight(fmt, *shape_for(fmt, shape))
     x = np.random.default_rng(1).standard_normal((3, w.cols)).astype(np.float32)
     deq = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols).astype(np.float64)
     exact = x.astype(np.float64) @ deq.T
@@ -66,7 +76,7 @@ def test_matmul_within_bound(isa, fmt, shape):
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_matmul_independent_of_threads_and_batch(isa, fmt):
-    w = make_weight(fmt, 203, 517)
+    w = make_weight(fmt, *shape_for(fmt, (203, 517)))
     x = np.random.default_rng(2).standard_normal((7, w.cols)).astype(np.float32)
     base = w.matmul(x, threads=1)
     for threads in (2, 3, 8):
@@ -80,7 +90,7 @@ def test_matmul_independent_of_threads_and_batch(isa, fmt):
 def test_isas_bit_identical(fmt, shape):
     """Every path follows the same canonical reduction order, so they agree to the bit (with and
     without a tail of columns beyond the last full 16)."""
-    w = make_weight(fmt, *shape)
+    w = make_weight(fmt, *shape_for(fmt, shape))
     x = np.random.default_rng(3).standard_normal((2, w.cols)).astype(np.float32)
     before = _C.get_isa()
     results = {}
@@ -121,7 +131,30 @@ def test_fp8_nan_byte_is_nan():
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_dequantize_rows_matches_reference(fmt):
-    w = make_weight(fmt, 300, 260)
+    w = make_weight(fmt, *shape_for(fmt, (300, 260)))
     rows = np.array([0, 127, 128, 299, 5])
     ref = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols)[rows]
     assert w.dequantize_rows(rows).tobytes() == ref.tobytes()
+
+
+def test_mxfp4_reference_values():
+    """E2M1 nibbles (low nibble = even column, bit 3 the sign) times 2^(s-127)."""
+    packed = np.array([[0x21, 0xF7] + [0] * 14], np.uint8)  # columns 0..3: 1 (0x1) 0.5? see below
+    s8 = np.array([[128]], np.uint8)  # scale 2
+    w = Weight(packed, s8, fmt="mxfp4")
+    d = w.dequantize()
+    # byte 0x21: low nibble 1 -> 0.5, high nibble 2 -> 1.0; byte 0xF7: low 7 -> 6.0, high 0xF -> -6.0
+    assert d[0, :4].tolist() == [1.0, 2.0, 12.0, -12.0]
+    assert d.tobytes() == w.reference().tobytes()
+
+
+def test_mxfp4_scale_255_refused():
+    with pytest.raises(ValueError, match="255"):
+        Weight(np.zeros((1, 16), np.uint8), np.array([[255]], np.uint8), fmt="mxfp4")
+
+
+def test_mxfp4_quantization_error_is_small():
+    w = np.random.default_rng(5).standard_normal((64, 256)).astype(np.float32)
+    packed, s8 = quantize_mxfp4_reference(w)
+    d = dequantize_reference(FORMATS["mxfp4"], packed, s8, 64, 256)
+    assert np.sqrt(np.mean((d - w) ** 2)) / np.sqrt(np.mean(w**2)) < 0.2

@@ -30,7 +30,12 @@ FORMATS: dict[str, Format] = {
     "bf16": Format("bf16", 1, 1, 2, 1e-5),
     "f16": Format("f16", 2, 1, 2, 1e-5),
     "fp8": Format("fp8", 3, 1, 1, 1e-5),  # e4m3 with one f32 scale per 128x128 block
+    "mxfp4": Format("mxfp4", 4, 32, 16, 1e-5),  # E2M1 nibbles + one E8M0 byte per 32 (compressed-tensors)
 }
+
+# Nibble 8 (negative zero) decodes as +0.0 on every path, so that dequantization is bit-exact everywhere.
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+MXFP4_BLOCK = 32
 
 FP8_BLOCK = 128
 
@@ -65,6 +70,14 @@ def dequantize_reference(fmt: Format, data: np.ndarray, scales: np.ndarray | Non
         s = np.asarray(scales, dtype=np.float32)
         s_full = np.repeat(np.repeat(s, FP8_BLOCK, axis=0)[:rows], FP8_BLOCK, axis=1)[:, :cols]
         return (w * s_full).astype(np.float32)
+    if fmt.name == "mxfp4":
+        assert scales is not None
+        packed = raw.reshape(rows, cols // 2)
+        nib = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, cols)  # low nibble = even column
+        s8 = np.asarray(scales, np.uint8).reshape(rows, cols // MXFP4_BLOCK)
+        scale = np.ldexp(np.float32(1), s8.astype(np.int32) - 127).astype(np.float32)
+        scale[s8 == 255] = np.nan
+        return (E2M1[nib] * np.repeat(scale, MXFP4_BLOCK, axis=1)).astype(np.float32)
     raise ValueError(f"no reference for format {fmt.name}")
 
 
@@ -85,3 +98,21 @@ def quantize_fp8_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 ml_dtypes.float8_e4m3fn
             )
     return q, scales
+
+
+def quantize_mxfp4_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [rows, cols] -> (packed uint8 [rows, cols/2], E8M0 uint8 [rows, cols/32]), OCP MX style:
+    the block exponent is floor(log2(amax)) - 2, values rounded to the nearest E2M1 magnitude."""
+    rows, cols = w.shape
+    if cols % MXFP4_BLOCK:
+        raise ValueError(f"mxfp4 needs cols divisible by {MXFP4_BLOCK}, got {cols}")
+    blocks = w.astype(np.float32).reshape(rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = np.abs(blocks).max(axis=-1)
+    exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, -127).astype(np.int32)
+    s8 = np.clip(exp + 127, 0, 254).astype(np.uint8)
+    scaled = blocks / np.ldexp(np.float32(1), s8.astype(np.int32) - 127)[..., None]
+    mags = E2M1[:8]
+    idx = np.abs(np.abs(scaled)[..., None] - mags).argmin(axis=-1).astype(np.uint8)  # nearest magnitude
+    nib = (idx | np.where(scaled < 0, 8, 0).astype(np.uint8)).reshape(rows, cols)
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+    return packed, s8.reshape(rows, cols // MXFP4_BLOCK)

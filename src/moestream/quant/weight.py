@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import _C
-from .formats import FORMATS, FP8_BLOCK, Format, dequantize_reference, fp8_scale_shape
+from .formats import FORMATS, FP8_BLOCK, MXFP4_BLOCK, Format, dequantize_reference, fp8_scale_shape
 
 _NP_TO_FORMAT = {
     np.dtype(np.float32): "f32",
@@ -22,14 +22,26 @@ class Weight:
 
     __slots__ = ("cols", "data", "fmt", "rows", "scales")
 
-    def __init__(self, data: np.ndarray, scales: np.ndarray | None = None):
+    def __init__(self, data: np.ndarray, scales: np.ndarray | None = None, fmt: str | None = None):
+        """data [rows, cols] of a float dtype (the format follows the dtype), or with fmt="mxfp4" the packed
+        uint8 [rows, cols/2] and its E8M0 scales uint8 [rows, cols/32]."""
         if data.ndim != 2:
             raise ValueError(f"a weight matrix must be 2-D, got shape {data.shape}")
-        name = _NP_TO_FORMAT.get(data.dtype)
+        name = fmt or _NP_TO_FORMAT.get(data.dtype)
         if name is None:
             raise ValueError(f"no kernel for weights of dtype {data.dtype}")
         self.fmt: Format = FORMATS[name]
-        self.rows, self.cols = (int(d) for d in data.shape)
+        self.rows, self.cols = int(data.shape[0]), int(data.shape[1])
+        if name == "mxfp4":
+            if data.dtype != np.uint8 or scales is None or scales.dtype != np.uint8:
+                raise ValueError("mxfp4 weights are uint8 packed nibbles with uint8 E8M0 scales")
+            self.cols = 2 * int(data.shape[1])
+            if tuple(scales.shape) != (self.rows, self.cols // MXFP4_BLOCK):
+                raise ValueError(
+                    f"mxfp4 scales have shape {list(scales.shape)}, expected {[self.rows, self.cols // MXFP4_BLOCK]}"
+                )
+            if np.any(scales == 255):
+                raise ValueError("an E8M0 scale is 255 (NaN in the OCP spec)")
         if not data.flags.c_contiguous:
             data = np.ascontiguousarray(data)
         self.data = data
@@ -40,6 +52,9 @@ class Weight:
             if tuple(scales.shape) != want:
                 raise ValueError(f"fp8 block scales have shape {list(scales.shape)}, expected {list(want)}")
             scales = np.ascontiguousarray(scales, dtype=np.float32)
+        elif name == "mxfp4":
+            assert scales is not None
+            scales = np.ascontiguousarray(scales)
         self.scales = scales
 
     @property
@@ -63,6 +78,9 @@ class Weight:
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
         """Selected rows as f32 (embedding lookups), by the numpy reference."""
         rows = np.asarray(rows, dtype=np.int64)
+        if self.fmt.name == "mxfp4":
+            assert self.scales is not None
+            return dequantize_reference(self.fmt, self.data[rows], self.scales[rows], len(rows), self.cols)
         if self.fmt.name == "fp8":
             assert self.scales is not None
             s = np.repeat(self.scales[rows // FP8_BLOCK], FP8_BLOCK, axis=1)[:, : self.cols]  # [n, cols]
