@@ -21,7 +21,8 @@ from . import models
 from .config import ModelSpec
 from .errors import InputError
 from .formats.checkpoint import Checkpoint
-from .models.base import Ctx, Decoder, State
+from .models.base import Ctx, State
+from .models.base import Model as Network
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -60,7 +61,7 @@ class GenerationStats:
 
 
 class Model:
-    def __init__(self, path: Path, spec: ModelSpec, decoder: Decoder, tokenizer: Tokenizer | None, threads: int):
+    def __init__(self, path: Path, spec: ModelSpec, decoder: Network, tokenizer: Tokenizer | None, threads: int):
         self.path = path
         self.spec = spec
         self.decoder = decoder

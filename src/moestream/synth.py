@@ -5,6 +5,7 @@ the names are defined in one place per architecture."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from . import models
 from .errors import ConfigError, InputError
+from .formats.safetensors import DTYPES as ST_DTYPES
 from .formats.safetensors import write_streaming
 
 # Small defaults per architecture; --set overrides any key.
@@ -133,8 +135,95 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         hidden_act="silu",
     ),
+    # text_config of a small Kimi K3 (the full model: see K3_FULL).
+    "kimi_k3": dict(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=4,
+        rms_norm_eps=1e-5,
+        hidden_act="situ",
+        activation_situ_beta=4.0,
+        activation_situ_linear_beta=25.0,
+        intermediate_size=256,
+        first_k_dense_replace=1,
+        attn_res_block_size=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        mla_use_nope=True,
+        mla_use_output_gate=True,
+        num_experts=16,
+        num_experts_per_token=4,
+        num_shared_experts=2,
+        routed_expert_hidden_size=96,
+        moe_intermediate_size=64,
+        latent_moe_use_norm=True,
+        moe_router_activation_func="sigmoid",
+        moe_renormalize=True,
+        routed_scaling_factor=1.0,
+        use_grouped_topk=True,
+        num_expert_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        num_nextn_predict_layers=0,
+        model_type="kimi_linear",
+        linear_attn_config={
+            "num_heads": 4,
+            "head_dim": 32,
+            "short_conv_kernel_size": 4,
+            "gate_lower_bound": -5.0,
+            "full_attn_layers": [2, 4],
+            "kda_layers": [1, 3],
+        },
+    ),
 }
 ARCHS = sorted(DEFAULTS)
+
+# The released Kimi K3 text_config (../shared/specs/kimi_k3.md).
+K3_FULL: dict[str, Any] = dict(
+    DEFAULTS["kimi_k3"],
+    vocab_size=163840,
+    hidden_size=7168,
+    num_hidden_layers=93,
+    intermediate_size=33792,
+    attn_res_block_size=12,
+    num_attention_heads=96,
+    num_key_value_heads=96,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_experts=896,
+    num_experts_per_token=16,
+    num_shared_experts=2,
+    routed_expert_hidden_size=3584,
+    moe_intermediate_size=3072,
+    linear_attn_config={
+        "num_heads": 96,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "full_attn_layers": [*range(4, 93, 4), 93],
+        "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
+    },
+)
+K3_SPECIALS = ["[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"]
+# Kimi's pre-tokenizer (o200k-style, Han first); written into tokenization_kimi.py as Kimi ships it.
+KIMI_PAT = [
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+]
 N_BYTE_TOKENS = 256
 SPECIALS = ["<s>", "</s>"]
 DTYPES = {"bf16": ("BF16", ml_dtypes.bfloat16), "f32": ("F32", np.float32), "f16": ("F16", np.float16)}
@@ -173,7 +262,18 @@ class _Recorder:
     def array(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         assert shape is not None
         self.shapes[name] = tuple(int(d) for d in shape)
-        return np.zeros(shape if len(shape) else (1,), np.float32)  # calloc: no memory is touched
+        dtype = np.uint8 if name.endswith((".weight_packed", ".weight_scale")) else np.float32
+        return np.zeros(shape if len(shape) else (1,), dtype)  # calloc: no memory is touched
+
+
+def tensor_dtype(name: str, weights: str) -> str:
+    """The safetensors dtype synth writes a tensor in, as the released checkpoints keep them: norms, the
+    router bias, KDA's conv weights, A_log and dt_bias in F32; MXFP4 experts as U8; the rest in `weights`."""
+    if name.endswith((".weight_packed", ".weight_scale")):
+        return "U8"
+    if "norm" in name or name.endswith(("e_score_correction_bias", "conv1d.weight", ".A_log", ".dt_bias")):
+        return "F32"
+    return weights
 
 
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -187,6 +287,13 @@ def _random(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     """Deterministic per tensor name. Matrices ~ N(0, 0.8/sqrt(cols)) (lm_head 3x), norms 1 +- 0.1,
     router correction bias N(0, 0.05): large enough that greedy choices are not near-ties."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if name.endswith(".weight_packed"):
+        return rng.integers(0, 256, shape, dtype=np.uint8)
+    if name.endswith(".weight_scale"):
+        # E2M1 magnitudes average ~2.3: pick the exponent that gives values ~ 0.8/sqrt(cols)
+        cols = shape[1] * 32
+        s = round(127 + math.log2(0.8 / math.sqrt(cols) / 2.3))
+        return rng.integers(s - 1, s + 2, shape, dtype=np.uint8)
     if "norm" in name:
         return (1.0 + 0.1 * rng.standard_normal(shape, np.float32)).astype(np.float32)
     if name.endswith("e_score_correction_bias"):
@@ -194,8 +301,10 @@ def _random(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     if name.endswith(".bias"):
         return (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
     std = 0.8 / math.sqrt(shape[-1])
-    if name == "lm_head.weight":
+    if name.endswith("lm_head.weight"):
         std *= 3
+    if name.endswith("_res_proj.weight"):  # attention-residual scores: keep the softmax soft
+        std = 1.0 / math.sqrt(shape[-1])
     return (std * rng.standard_normal(shape, np.float32)).astype(np.float32)
 
 
@@ -236,6 +345,67 @@ def _byte_level_tokenizer(vocab_size: int) -> tuple[dict[str, Any], dict[str, An
     return json.loads(tok.to_str()), cfg, bos, eos
 
 
+TOP_LEVEL_K3 = {"bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "quantization_config"}
+
+
+def make_config(arch: str, overrides: dict[str, Any], dtype: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """config.json and the tokenizer files for a synthetic checkpoint of arch."""
+    torch_dtype = {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}[dtype]
+    if arch != "kimi_k3":
+        config: dict[str, Any] = {"model_type": arch, **DEFAULTS[arch], **overrides}
+        tok_json, tok_cfg, bos, eos = _byte_level_tokenizer(int(config["vocab_size"]))
+        config.setdefault("bos_token_id", bos)
+        config.setdefault("eos_token_id", eos)
+        config["torch_dtype"] = torch_dtype
+        return config, {"tokenizer.json": json.dumps(tok_json), "tokenizer_config.json": json.dumps(tok_cfg, indent=2)}
+    text = {**DEFAULTS["kimi_k3"], **{k: v for k, v in overrides.items() if k not in TOP_LEVEL_K3}}
+    files, bos, eos = _kimi_tokenizer(int(text["vocab_size"]))
+    config = {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": int(text["vocab_size"]) - 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": torch_dtype,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32, "type": "float"}}},
+            "ignore": ["re:.*shared_experts.*"],
+        },
+        "text_config": text,
+    }
+    config.update({k: v for k, v in overrides.items() if k in TOP_LEVEL_K3})
+    return config, files
+
+
+def _kimi_tokenizer(vocab_size: int) -> tuple[dict[str, str], int, int]:
+    """tiktoken.model (the 256 byte tokens), tokenizer_config.json with Kimi's special tokens at the top of
+    the vocabulary (from 163584 at full size), and tokenization_kimi.py carrying the pattern."""
+    n_special = min(256, vocab_size - N_BYTE_TOKENS)
+    if n_special < len(K3_SPECIALS):
+        raise ConfigError(f"synth: vocab_size must be at least {N_BYTE_TOKENS + len(K3_SPECIALS)} for the tokenizer")
+    base = vocab_size - n_special
+    names = K3_SPECIALS + [f"<|reserved_token_{i}|>" for i in range(len(K3_SPECIALS), n_special)]
+    ranks = "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(N_BYTE_TOKENS))
+    cfg = {
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "add_bos_token": True,
+        "tokenizer_class": "TikTokenTokenizer",
+        "added_tokens_decoder": {str(base + i): {"content": n, "special": True} for i, n in enumerate(names)},
+    }
+    pattern = "".join(f'            r"""{p}""",\n' for p in KIMI_PAT)
+    py = (
+        '"""Kimi tokenizer (tiktoken). moestream reads pat_str from this file; it never runs it."""\n\n\n'
+        "class TikTokenTokenizer:\n"
+        '    pat_str = "|".join(\n        [\n' + pattern + "        ]\n    )\n"
+    )
+    files = {"tiktoken.model": ranks, "tokenizer_config.json": json.dumps(cfg, indent=2), "tokenization_kimi.py": py}
+    return files, base, base + 2  # [BOS]; <|end_of_msg|> ends a message, as config.json says
+
+
 def synth(
     arch: str,
     out: Path,
@@ -253,25 +423,18 @@ def synth(
     out = Path(out)
     if out.exists() and not force:
         raise InputError(f"synth: {out} exists (use --force to replace it)")
-    config: dict[str, Any] = {"model_type": arch, **DEFAULTS[arch], **(overrides or {})}
-    tok_json, tok_cfg, bos, eos = _byte_level_tokenizer(int(config["vocab_size"]))
-    config.setdefault("bos_token_id", bos)
-    config.setdefault("eos_token_id", eos)
-    config["torch_dtype"] = {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}[dtype]
+    config, files = make_config(arch, overrides or {}, dtype)
     shapes = tensor_shapes(config)
-    st_name, np_dtype = DTYPES[dtype]
+    st_name = DTYPES[dtype][0]
 
-    def tensor_dtype(name: str) -> tuple[str, Any]:
-        # Norm weights and the router bias stay f32, as the released checkpoints keep them.
-        if "norm" in name or name.endswith("e_score_correction_bias"):
-            return "F32", np.float32
-        return st_name, np_dtype
+    def np_dtype(name: str) -> np.dtype:
+        return ST_DTYPES[tensor_dtype(name, st_name)]
 
     # Shards of at most shard_bytes, tensors in builder order (layer by layer).
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * np.dtype(tensor_dtype(name)[1]).itemsize
+        nbytes = math.prod(shape) * np_dtype(name).itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -286,23 +449,22 @@ def synth(
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
             entries = []
             for name in names:
-                sd, nd = tensor_dtype(name)
 
-                def make(name: str = name, nd: Any = nd) -> np.ndarray:
+                def make(name: str = name) -> np.ndarray:
                     bar.update(1)
-                    return _random(name, shapes[name], seed).astype(nd)
+                    return _random(name, shapes[name], seed).astype(np_dtype(name))
 
-                entries.append((name, sd, shapes[name], make))
+                entries.append((name, tensor_dtype(name, st_name), shapes[name], make))
                 weight_map[name] = fname
             write_streaming(tmp / fname, entries, {"format": "pt"})
         bar.close()
         if len(shards) > 1:
-            total = sum(math.prod(s) * np.dtype(tensor_dtype(n)[1]).itemsize for n, s in shapes.items())
+            total = sum(math.prod(s) * np_dtype(n).itemsize for n, s in shapes.items())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "tokenizer.json").write_text(json.dumps(tok_json))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+        for fname, text in files.items():
+            (tmp / fname).write_text(text)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

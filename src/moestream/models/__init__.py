@@ -8,7 +8,7 @@ from typing import Any
 from ..config import ModelSpec
 from ..errors import ConfigError
 from ..formats.checkpoint import Checkpoint
-from .base import Decoder
+from .base import Model
 
 ARCHITECTURES = {
     "deepseek_v3": "deepseek_v3",
@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
     "kimi_linear": "kimi_linear",
+    "kimi_k3": "kimi_k3",
 }
 
 
@@ -31,6 +32,6 @@ def read_spec(config: dict[str, Any]) -> ModelSpec:
     return spec
 
 
-def build(ckpt: Checkpoint, spec: ModelSpec) -> Decoder:
-    model: Decoder = _module(spec.model_type).build(ckpt, spec)
+def build(ckpt: Checkpoint, spec: ModelSpec) -> Model:
+    model: Model = _module(spec.model_type).build(ckpt, spec)
     return model

@@ -9,6 +9,7 @@ weight product goes through a C kernel (quant.Weight) straight from the checkpoi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -276,7 +277,9 @@ class MLAttention:
         rope: Rope | None,
         scaling: float,
         norm_eps: float,
+        out_gate: Linear | None = None,
     ):
+        self.out_gate = out_gate  # Kimi K3: o * sigmoid(g_proj x) before o_proj
         self.q_proj, self.q_a_proj, self.q_a_norm, self.q_b_proj = q_proj, q_a_proj, q_a_norm, q_b_proj
         self.kv_a_proj, self.kv_a_norm, self.kv_b_proj, self.o_proj = kv_a_proj, kv_a_norm, kv_b_proj, o_proj
         self.heads, self.nope, self.rope_dim, self.v_dim, self.rank = (
@@ -340,22 +343,31 @@ class MLAttention:
             scores = scores * self.scaling + causal_mask(pos0, T, S)
             p = softmax(scores)
             o = np.matmul(p, v.transpose(1, 0, 2)).transpose(1, 0, 2).reshape(T, H * V)  # [T, H*v]
+        if self.out_gate is not None:
+            o = o * sigmoid(self.out_gate(x, ctx))
         return self.o_proj(o.astype(np.float32), ctx)
 
 
 # ---- feed-forward ---------------------------------------------------------------------------------
 
 
-class DenseMLP:
-    """down(silu(gate x) * up x)."""
+Glu = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
-    def __init__(self, gate: Weight, up: Weight, down: Weight):
-        self.gate, self.up, self.down = gate, up, down
+
+def silu_glu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    return silu(g) * u
+
+
+class DenseMLP:
+    """down(act(gate x, up x)); act is SwiGLU unless the architecture says otherwise."""
+
+    def __init__(self, gate: Weight, up: Weight, down: Weight, act: Glu = silu_glu):
+        self.gate, self.up, self.down, self.act = gate, up, down, act
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
         g = self.gate.matmul(x, ctx.threads)
         u = self.up.matmul(x, ctx.threads)
-        return self.down.matmul(silu(g) * u, ctx.threads)
+        return self.down.matmul(self.act(g, u), ctx.threads)
 
 
 class Router(Protocol):
@@ -427,11 +439,12 @@ class Expert:
     gate: Weight  # [I, E]
     up: Weight  # [I, E]
     down: Weight  # [E, I]
+    act: Glu = silu_glu
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
         g = self.gate.matmul(x, ctx.threads)
         u = self.up.matmul(x, ctx.threads)
-        return self.down.matmul(silu(g) * u, ctx.threads)
+        return self.down.matmul(self.act(g, u), ctx.threads)
 
 
 class MoE:
@@ -443,20 +456,29 @@ class MoE:
         self.router, self.experts, self.shared = router, experts, shared
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
-        T, E = x.shape
         idx, w = self.router(x, ctx)  # [T, k] each
-        k = idx.shape[1]
-        contrib = np.empty((T, k, E), np.float32)  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
-        for e in np.unique(idx):
-            tok, slot = np.nonzero(idx == e)
-            y = self.experts[int(e)](x[tok], ctx)  # [n, E]
-            contrib[tok, slot] = y * w[tok, slot][:, None]
-        out = contrib[:, 0].copy()
-        for j in range(1, k):
-            out += contrib[:, j]
+        out = mix_experts(self.experts, x, idx, w, ctx)
         if self.shared is not None:
             out += self.shared(x, ctx)
         return out
+
+
+def mix_experts(experts: list[Expert], x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx: Ctx) -> np.ndarray:
+    """sum_j w[t, j] * experts[idx[t, j]](x[t]) for every token t, summed in top-k order j = 0, 1, ...
+    Each distinct expert runs once over all the tokens that chose it."""
+    T, k = idx.shape
+    contrib: np.ndarray | None = None  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
+    for e in np.unique(idx):
+        tok, slot = np.nonzero(idx == e)
+        y = experts[int(e)](x[tok], ctx)  # [n, out]
+        if contrib is None:
+            contrib = np.empty((T, k, y.shape[1]), np.float32)
+        contrib[tok, slot] = y * w[tok, slot][:, None]
+    assert contrib is not None
+    out = contrib[:, 0].copy()
+    for j in range(1, k):
+        out += contrib[:, j]
+    return out
 
 
 FFN = DenseMLP | MoE
@@ -496,6 +518,16 @@ class State:
     @property
     def length(self) -> int:
         return len(self.ids)
+
+
+class Model(Protocol):
+    """What generation needs from an architecture's network."""
+
+    vocab_size: int
+
+    def new_state(self) -> State: ...
+
+    def forward(self, ids: list[int], state: State, ctx: Ctx, all_logits: bool = False) -> np.ndarray: ...
 
 
 class Decoder:

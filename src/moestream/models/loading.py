@@ -38,6 +38,22 @@ class Tensors:
         except ValueError as e:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name}: {e}") from None
 
+    def mxfp4(self, prefix: str, rows: int, cols: int) -> Weight:
+        """compressed-tensors mxfp4-pack-quantized: {prefix}.weight_packed uint8 [rows, cols/2] and
+        {prefix}.weight_scale uint8 [rows, cols/32] (E8M0; 255 is NaN and refused)."""
+        if cols % 32:
+            raise CheckpointError(f"{self.ckpt.path}: {prefix}: mxfp4 needs a width divisible by 32, got {cols}")
+        packed = self.ckpt.array(f"{prefix}.weight_packed", (rows, cols // 2))
+        scale = self.ckpt.array(f"{prefix}.weight_scale", (rows, cols // 32))
+        for name, arr in ((f"{prefix}.weight_packed", packed), (f"{prefix}.weight_scale", scale)):
+            if arr.dtype != np.uint8:
+                raise CheckpointError(f"{self.ckpt.path}: tensor {name} is {arr.dtype}, mxfp4 stores uint8")
+        if np.any(scale == 255):
+            raise CheckpointError(
+                f"{self.ckpt.path}: tensor {prefix}.weight_scale has an E8M0 scale of 255 (NaN in the OCP spec)"
+            )
+        return Weight(packed, scale, fmt="mxfp4")
+
     def vector(self, name: str, n: int) -> np.ndarray:
         return np.asarray(self.ckpt.array(name, (n,)), dtype=np.float32)
 
