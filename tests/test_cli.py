@@ -272,3 +272,24 @@ def test_no_prompt(small_case):
 def test_bad_dump_dir(small_case, tmp_path):
     p = cli("run", str(small_case.path), "--ids", "1", "--json", "--dump-logits", str(tmp_path / "x" / "l.npy"))
     assert_user_error(p, "--dump-logits")
+
+
+def test_inspect_full_kimi_k3_config(tmp_path):
+    from moestream.synth import K3_FULL, make_config
+
+    config, _ = make_config("kimi_k3", K3_FULL, "bf16")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = cli("inspect", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "2.78 T total" in p.stdout
+    assert "56.74 G parameters, 113.49 GB" in p.stdout  # the bf16 trunk of the spec
+    assert "82,432 experts of 17.55 MB" in p.stdout  # 17,547,264 bytes each
+    assert "kKKMKKKMKKKM" in p.stdout and p.stdout.count("M") >= 24
+
+
+def test_inspect_measures_bytes(tmp_path):
+    out = tmp_path / "m"
+    assert cli("synth", "--arch", "kimi_k3", str(out)).returncode == 0
+    p = cli("inspect", str(out))
+    assert p.returncode == 0 and "bytes: measured" in p.stdout and "48 experts" in p.stdout
+    assert_user_error(cli("inspect", str(tmp_path / "nope")), "does not exist")

@@ -76,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the logits each generated token was chosen from, float32 [gen, vocab]",
     )
 
+    i = sub.add_parser(
+        "inspect",
+        help="describe a model: architecture, layers, parameters, bytes",
+        description="Architecture, layer map, parameter counts (total and active per token) and the bytes of "
+        "trunk and routed experts. Needs only config.json; with weights present the bytes are measured.",
+    )
+    i.add_argument("model", type=Path, help="checkpoint directory, or a config.json")
+
     s = sub.add_parser(
         "synth",
         help="write a random-weight checkpoint",
@@ -177,6 +185,61 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: float, unit: str) -> str:
+    for div, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .formats.checkpoint import Checkpoint, read_json
+    from .models import read_spec
+    from .models.inventory import inventory, is_routed_expert, layer_map
+
+    path: Path = args.model
+    cfg_path = path if path.name.endswith(".json") else path / "config.json"
+    if not cfg_path.exists():
+        raise InputError(f"{cfg_path} does not exist")
+    config = read_json(cfg_path, "config.json")
+    if not isinstance(config, dict):
+        raise InputError(f"{cfg_path}: corrupt config.json (not an object)")
+    spec = read_spec(config)
+    inv = inventory(config)
+    measured = path.is_dir() and (any(path.glob("*.safetensors")))
+    if measured:
+        ckpt = Checkpoint(path)
+        trunk_b = sum(i.nbytes for n, i in ckpt.tensors.items() if not is_routed_expert(n))
+        expert_b = sum(i.nbytes for n, i in ckpt.tensors.items() if is_routed_expert(n))
+    else:  # as stored by the released checkpoints: bf16 trunk; MXFP4 (K3) or bf16 experts
+        trunk_b = 2 * inv.trunk_params
+        expert_b = inv.expert_params * 17 // 32 if spec.model_type == "kimi_k3" else 2 * inv.expert_params
+    how = (
+        "measured"
+        if measured
+        else "as released (bf16 trunk" + (", MXFP4 experts)" if spec.model_type == "kimi_k3" else ")")
+    )
+    print(f"model: {path}")
+    print(
+        f"architecture: {spec.model_type}, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
+        f"vocab {spec.vocab_size}"
+    )
+    print(f"layers: {layer_map(spec)}")
+    print("        (K = KDA, M = MLA, G = GQA attention; lower case = dense FFN, upper case = MoE)")
+    print(
+        f"parameters: {_size(inv.total_params, '')} total, {_size(inv.active_params, '')} active per token "
+        f"({inv.top_k} of {inv.n_experts // max(inv.moe_layers, 1)} experts in each of {inv.moe_layers} MoE layers)"
+    )
+    print(f"  trunk (everything but routed experts): {_size(inv.trunk_params, '')} parameters, {_size(trunk_b, 'B')}")
+    per = expert_b / inv.n_experts if inv.n_experts else 0
+    print(
+        f"  routed experts: {_size(inv.expert_params, '')} parameters, {_size(expert_b, 'B')} "
+        f"({inv.n_experts:,} experts of {_size(per, 'B')})"
+    )
+    print(f"bytes: {how}")
+    return 0
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     from .synth import parse_set, synth
 
@@ -203,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "synth":
             return cmd_synth(args)
+        if args.command == "inspect":
+            return cmd_inspect(args)
         parser.error(f"unknown command {args.command}")
     except MoeStreamError as e:
         sys.stdout.flush()

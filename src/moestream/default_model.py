@@ -1,5 +1,5 @@
-"""The embedded default model: a small deterministic synthetic deepseek_v3 checkpoint, created on first
-use in the cache directory ($MOESTREAM_HOME, else $XDG_CACHE_HOME/moestream, else ~/.cache/moestream)."""
+"""The embedded default model: a small deterministic synthetic Kimi K3 checkpoint (MXFP4 experts, tiktoken
+tokenizer), created on first use in the cache directory ($MOESTREAM_HOME, else $XDG_CACHE_HOME/moestream, else ~/.cache/moestream)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from .synth import synth
 
-DEFAULT_NAME = "default-deepseek_v3-v1"
-DEFAULT_ARCH = "deepseek_v3"
+DEFAULT_NAME = "default-kimi_k3-v1"
+DEFAULT_ARCH = "kimi_k3"
 DEFAULT_SEED = 1234
 
 

@@ -19,10 +19,10 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from . import models
 from .errors import ConfigError, InputError
 from .formats.safetensors import DTYPES as ST_DTYPES
 from .formats.safetensors import write_streaming
+from .models.inventory import tensor_shapes
 
 # Small defaults per architecture; --set overrides any key.
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -242,30 +242,6 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
-class _Recorder:
-    """A stand-in checkpoint that records every tensor the builder asks for, and its shape."""
-
-    def __init__(self, config: dict[str, Any]):
-        self.config = config
-        self.path = Path("<synth>")
-        self.shapes: dict[str, tuple[int, ...]] = {}
-
-    def has(self, name: str) -> bool:
-        return True
-
-    def info(self, name: str) -> Any:
-        class _Info:
-            dtype = "F32"
-
-        return _Info()
-
-    def array(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        assert shape is not None
-        self.shapes[name] = tuple(int(d) for d in shape)
-        dtype = np.uint8 if name.endswith((".weight_packed", ".weight_scale")) else np.float32
-        return np.zeros(shape if len(shape) else (1,), dtype)  # calloc: no memory is touched
-
-
 def tensor_dtype(name: str, weights: str) -> str:
     """The safetensors dtype synth writes a tensor in, as the released checkpoints keep them: norms, the
     router bias, KDA's conv weights, A_log and dt_bias in F32; MXFP4 experts as U8; the rest in `weights`."""
@@ -274,13 +250,6 @@ def tensor_dtype(name: str, weights: str) -> str:
     if "norm" in name or name.endswith(("e_score_correction_bias", "conv1d.weight", ".A_log", ".dt_bias")):
         return "F32"
     return weights
-
-
-def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    spec = models.read_spec(config)
-    rec = _Recorder(config)
-    models.build(rec, spec)  # type: ignore[arg-type]
-    return rec.shapes
 
 
 def _random(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:

@@ -48,11 +48,22 @@ class Tensors:
         for name, arr in ((f"{prefix}.weight_packed", packed), (f"{prefix}.weight_scale", scale)):
             if arr.dtype != np.uint8:
                 raise CheckpointError(f"{self.ckpt.path}: tensor {name} is {arr.dtype}, mxfp4 stores uint8")
-        if np.any(scale == 255):
-            raise CheckpointError(
-                f"{self.ckpt.path}: tensor {prefix}.weight_scale has an E8M0 scale of 255 (NaN in the OCP spec)"
-            )
-        return Weight(packed, scale, fmt="mxfp4")
+        path = self.ckpt.path
+
+        def check() -> None:
+            if np.any(scale == 255):
+                raise CheckpointError(
+                    f"{path}: tensor {prefix}.weight_scale has an E8M0 scale of 255 (NaN in the OCP spec)"
+                )
+
+        w = Weight(packed, scale, fmt="mxfp4")
+        # Scales are 1/17 of an expert: read them now when the checkpoint is preloaded anyway, else
+        # when the expert is first used (a whole K3 has 85 GB of them).
+        if getattr(self.ckpt, "preload", False):
+            check()
+        else:
+            w.validate_lazily(check)
+        return w
 
     def vector(self, name: str, n: int) -> np.ndarray:
         return np.asarray(self.ckpt.array(name, (n,)), dtype=np.float32)

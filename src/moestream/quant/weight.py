@@ -3,6 +3,8 @@ stored bytes (a memory map of the checkpoint, or a buffer)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import ml_dtypes
 import numpy as np
 
@@ -20,7 +22,7 @@ _NP_TO_FORMAT = {
 class Weight:
     """W [rows, cols]; y = W @ x computed as matmul(x [T, cols]) -> [T, rows]."""
 
-    __slots__ = ("cols", "data", "fmt", "rows", "scales")
+    __slots__ = ("_validate", "cols", "data", "fmt", "rows", "scales")
 
     def __init__(self, data: np.ndarray, scales: np.ndarray | None = None, fmt: str | None = None):
         """data [rows, cols] of a float dtype (the format follows the dtype), or with fmt="mxfp4" the packed
@@ -40,8 +42,7 @@ class Weight:
                 raise ValueError(
                     f"mxfp4 scales have shape {list(scales.shape)}, expected {[self.rows, self.cols // MXFP4_BLOCK]}"
                 )
-            if np.any(scales == 255):
-                raise ValueError("an E8M0 scale is 255 (NaN in the OCP spec)")
+
         if not data.flags.c_contiguous:
             data = np.ascontiguousarray(data)
         self.data = data
@@ -56,6 +57,16 @@ class Weight:
             assert scales is not None
             scales = np.ascontiguousarray(scales)
         self.scales = scales
+        self._validate: Callable[[], None] | None = None
+
+    def validate_lazily(self, check: Callable[[], None]) -> None:
+        """check() runs once, before the first product (to defer reading a large mapped tensor)."""
+        self._validate = check
+
+    def _ready(self) -> None:
+        if self._validate is not None:
+            check, self._validate = self._validate, None
+            check()
 
     @property
     def nbytes(self) -> int:
@@ -63,6 +74,7 @@ class Weight:
 
     def matmul(self, x: np.ndarray, threads: int = 1) -> np.ndarray:
         """x [T, cols] f32 -> [T, rows] f32."""
+        self._ready()
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim == 1:
             x = x[None]
@@ -71,6 +83,7 @@ class Weight:
         return out
 
     def dequantize(self, threads: int = 1) -> np.ndarray:
+        self._ready()
         out = np.empty((self.rows, self.cols), np.float32)
         _C.dequant(self.fmt.id, self.data, self.scales, self.rows, self.cols, out, threads)
         return out
