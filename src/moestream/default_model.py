@@ -1,5 +1,6 @@
 """The embedded default model: a small deterministic synthetic Kimi K3 checkpoint (MXFP4 experts, tiktoken
-tokenizer), created on first use in the cache directory ($MOESTREAM_HOME, else $XDG_CACHE_HOME/moestream, else ~/.cache/moestream)."""
+tokenizer), created on first use in the cache directory ($MOESTREAM_HOME, else
+$XDG_CACHE_HOME/moestream, else ~/.cache/moestream)."""
 
 from __future__ import annotations
 
