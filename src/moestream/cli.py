@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     s.add_argument("--shard-size", type=float, default=2.0, metavar="GB", help="max shard size in GB (default 2)")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    s.add_argument(
+        "--full",
+        action="store_true",
+        help="kimi_k3: start from the released K3 widths (--set then changes e.g. num_hidden_layers, num_experts)",
+    )
     return p
 
 
@@ -245,10 +250,17 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
     if args.shard_size <= 0:
         raise InputError("--shard-size must be positive")
+    overrides = parse_set(args.set)
+    if args.full:
+        if args.arch != "kimi_k3":
+            raise InputError("--full is for --arch kimi_k3")
+        from .synth import K3_FULL
+
+        overrides = {**K3_FULL, **overrides}
     out = synth(
         args.arch,
         args.out,
-        parse_set(args.set),
+        overrides,
         dtype=args.dtype,
         seed=args.seed,
         shard_bytes=int(args.shard_size * 1e9),

@@ -328,6 +328,13 @@ def make_config(arch: str, overrides: dict[str, Any], dtype: str) -> tuple[dict[
         config["torch_dtype"] = torch_dtype
         return config, {"tokenizer.json": json.dumps(tok_json), "tokenizer_config.json": json.dumps(tok_cfg, indent=2)}
     text = {**DEFAULTS["kimi_k3"], **{k: v for k, v in overrides.items() if k not in TOP_LEVEL_K3}}
+    lac = dict(text["linear_attn_config"])
+    n = int(text["num_hidden_layers"])
+    if "linear_attn_config" not in overrides and max(lac["full_attn_layers"] + lac["kda_layers"]) != n:
+        # a layer count of its own: K3's pattern (every fourth layer and the last are MLA, one-based)
+        full = sorted({i for i in range(1, n + 1) if i % 4 == 0} | {n})
+        lac.update(full_attn_layers=full, kda_layers=[i for i in range(1, n + 1) if i not in full])
+        text["linear_attn_config"] = lac
     files, bos, eos = _kimi_tokenizer(int(text["vocab_size"]))
     config = {
         "model_type": "kimi_k3",
@@ -379,6 +386,7 @@ def synth(
     arch: str,
     out: Path,
     overrides: dict[str, Any] | None = None,
+    *,
     dtype: str = "bf16",
     seed: int = 0,
     shard_bytes: int = 2 << 30,
