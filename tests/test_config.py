@@ -79,3 +79,14 @@ def test_qwen3_moe_accepts_both_expert_count_keys():
     a = models.read_spec(cfg("qwen3_moe"))
     b = models.read_spec(cfg("qwen3_moe", num_experts=..., num_local_experts=DEFAULTS["qwen3_moe"]["num_experts"]))
     assert a == b
+
+
+def test_k3_full_widths_with_fewer_layers():
+    from moestream.synth import k3_full, make_config
+
+    config, _ = make_config("kimi_k3", k3_full({"num_hidden_layers": 6, "num_experts": 64}), "bf16")
+    spec = models.read_spec(config)
+    assert spec.hidden_size == 7168 and spec.num_experts == 64 and spec.num_experts_per_token == 16
+    assert spec.layer_types == ("kda", "kda", "kda", "mla", "kda", "mla")  # every fourth and the last
+    full = models.read_spec(make_config("kimi_k3", k3_full({}), "bf16")[0])
+    assert full.layer_types.count("mla") == 24 and full.layer_types[92] == "mla"

@@ -254,9 +254,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.full:
         if args.arch != "kimi_k3":
             raise InputError("--full is for --arch kimi_k3")
-        from .synth import K3_FULL
+        from .synth import k3_full
 
-        overrides = {**K3_FULL, **overrides}
+        overrides = k3_full(overrides)
     out = synth(
         args.arch,
         args.out,

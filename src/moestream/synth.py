@@ -212,6 +212,18 @@ K3_FULL: dict[str, Any] = dict(
         "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
     },
 )
+
+
+def k3_full(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The released K3 text_config with overrides on top; with a layer count of its own, K3's layer
+    pattern is laid out anew for it."""
+    full = dict(K3_FULL)
+    if "num_hidden_layers" in overrides:
+        lac = {k: v for k, v in full["linear_attn_config"].items() if not k.endswith("_layers")}
+        full["linear_attn_config"] = lac
+    return {**full, **overrides}
+
+
 K3_SPECIALS = ["[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"]
 # Kimi's pre-tokenizer (o200k-style, Han first); written into tokenization_kimi.py as Kimi ships it.
 KIMI_PAT = [
@@ -330,7 +342,9 @@ def make_config(arch: str, overrides: dict[str, Any], dtype: str) -> tuple[dict[
     text = {**DEFAULTS["kimi_k3"], **{k: v for k, v in overrides.items() if k not in TOP_LEVEL_K3}}
     lac = dict(text["linear_attn_config"])
     n = int(text["num_hidden_layers"])
-    if "linear_attn_config" not in overrides and max(lac["full_attn_layers"] + lac["kda_layers"]) != n:
+    given = overrides.get("linear_attn_config") or {}
+    lists_given = "full_attn_layers" in given and "kda_layers" in given
+    if not lists_given and max(lac.get("full_attn_layers", [0]) + lac.get("kda_layers", [0])) != n:
         # a layer count of its own: K3's pattern (every fourth layer and the last are MLA, one-based)
         full = sorted({i for i in range(1, n + 1) if i % 4 == 0} | {n})
         lac.update(full_attn_layers=full, kda_layers=[i for i in range(1, n + 1) if i not in full])
