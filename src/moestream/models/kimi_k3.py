@@ -29,8 +29,7 @@ from .base import (
     sigmoid,
     softmax,
 )
-from .kda import KDAttention
-from .kimi_linear import conv_weights
+from .kimi_linear import kda_attention, layers_from_lists
 from .loading import Tensors
 
 PREFIX = "language_model.model."
@@ -95,19 +94,7 @@ def read_spec(config: dict[str, Any]) -> KimiK3Spec:
     if not isinstance(lac, dict):
         raise ConfigError("config.json text_config: missing required key linear_attn_config")
     lk = Keys(lac, "config.json text_config.linear_attn_config")
-    types: list[str | None] = [None] * n_layers
-    for key, kind in (("full_attn_layers", "mla"), ("kda_layers", "kda")):
-        for one_based in lk.req(key, list):
-            if not isinstance(one_based, int) or not 1 <= one_based <= n_layers:
-                raise ConfigError(
-                    f"config.json: linear_attn_config.{key} has layer {one_based!r} outside 1..{n_layers}"
-                )
-            if types[one_based - 1] is not None:
-                raise ConfigError(f"config.json: layer {one_based} is both a KDA and an MLA layer")
-            types[one_based - 1] = kind
-    if None in types:
-        missing = types.index(None) + 1
-        raise ConfigError(f"config.json: layer {missing} is in neither full_attn_layers nor kda_layers")
+    layer_types = layers_from_lists(lac, n_layers)
     bos = top.opt_none("bos_token_id", int)
     eos = config.get("eos_token_id", text.get("eos_token_id"))
     spec = KimiK3Spec(
@@ -148,7 +135,7 @@ def read_spec(config: dict[str, Any]) -> KimiK3Spec:
         linear_head_dim=lk.req("head_dim", int),
         conv_kernel=lk.req("short_conv_kernel_size", int),
         gate_lower_bound=lk.opt_none("gate_lower_bound", float),
-        layer_types=tuple(t for t in types if t is not None),
+        layer_types=layer_types,
     )
     for key in (
         "vocab_size",
@@ -311,24 +298,9 @@ def build(ckpt: Checkpoint, s: KimiK3Spec) -> K3Decoder:
         a = f"{p}.self_attn"
         attn: Attention
         if s.layer_types[i] == "kda":
-            attn = KDAttention(
-                q=lin(f"{a}.q_proj", P, E),
-                k=lin(f"{a}.k_proj", P, E),
-                v=lin(f"{a}.v_proj", P, E),
-                conv=conv_weights(t, a, P, s.conv_kernel),
-                f_a=lin(f"{a}.f_a_proj", LD, E),
-                f_b=lin(f"{a}.f_b_proj", P, LD),
-                dt_bias=t.vector(f"{a}.dt_bias", P),
-                a_log=a_log_first_heads(t, f"{a}.A_log", LH, max(LH, LD)),
-                b=lin(f"{a}.b_proj", LH, E),
-                gate=lin(f"{a}.g_proj", P, E),
-                o_norm=t.vector(f"{a}.o_norm.weight", LD),
-                o=lin(f"{a}.o_proj", E, P),
-                heads=LH,
-                head_dim=LD,
-                eps=eps,
-                gate_lower_bound=s.gate_lower_bound,
-            )
+            a_log = a_log_first_heads(t, f"{a}.A_log", LH, max(LH, LD))
+            gate = lin(f"{a}.g_proj", P, E)
+            attn = kda_attention(t, a, E, LH, LD, s.conv_kernel, eps, gate, a_log, s.gate_lower_bound)
         else:
             attn = MLAttention(
                 q_proj=None,

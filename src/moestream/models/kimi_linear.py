@@ -5,6 +5,7 @@ dense first layers, sigmoid-routed MoE with e_score_correction_bias and shared e
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,20 +45,27 @@ class KimiLinearSpec(ModelSpec):
     mlp_layer_types: tuple[str, ...] = ()  # "dense" | "sparse" per layer
 
 
+def layers_from_lists(lac: dict[str, Any], n: int) -> tuple[str, ...]:
+    """ "kda" | "mla" per layer from linear_attn_config's one-based full_attn_layers and kda_layers."""
+    lk = Keys(lac, "config.json linear_attn_config")
+    types: list[str | None] = [None] * n
+    for key, kind in (("full_attn_layers", "mla"), ("kda_layers", "kda")):
+        for one_based in lk.req(key, list):
+            if not isinstance(one_based, int) or not 1 <= one_based <= n:
+                raise ConfigError(f"config.json: linear_attn_config.{key} has layer {one_based!r} outside 1..{n}")
+            if types[one_based - 1] is not None:
+                raise ConfigError(f"config.json: layer {one_based} is both a KDA and an MLA layer")
+            types[one_based - 1] = kind
+    if None in types:
+        missing = types.index(None) + 1
+        raise ConfigError(f"config.json: layer {missing} is in neither full_attn_layers nor kda_layers")
+    return tuple(t for t in types if t is not None)
+
+
 def _layer_types(k: Keys, n: int) -> tuple[str, ...]:
     lac = k.d.get("linear_attn_config") or {}
     if isinstance(lac, dict) and "full_attn_layers" in lac and "kda_layers" in lac:
-        types: list[str | None] = [None] * n
-        for key, kind in (("full_attn_layers", "mla"), ("kda_layers", "kda")):
-            for one_based in lac[key]:
-                if not isinstance(one_based, int) or not 1 <= one_based <= n:
-                    raise ConfigError(f"config.json: linear_attn_config.{key} has layer {one_based!r} outside 1..{n}")
-                types[one_based - 1] = kind
-        if None in types:
-            raise ConfigError(
-                f"config.json: layer {types.index(None) + 1} is in neither full_attn_layers nor kda_layers"
-            )
-        return tuple(t for t in types if t is not None)
+        return layers_from_lists(lac, n)
     names = k.d.get("layer_types")
     if isinstance(names, list) and len(names) == n:
         mapping = {"full_attention": "mla", "linear_attention": "kda"}
@@ -141,6 +149,45 @@ def per_head(t: Tensors, name: str, heads: int) -> np.ndarray:
     return np.asarray(t.ckpt.array(name, shape), np.float32).reshape(-1)
 
 
+def kda_attention(
+    t: Tensors,
+    a: str,
+    E: int,
+    heads: int,
+    head_dim: int,
+    conv_kernel: int,
+    eps: float,
+    gate: Callable[[np.ndarray, Ctx], np.ndarray],
+    a_log: np.ndarray,
+    gate_lower_bound: float | None = None,
+) -> KDAttention:
+    """A KDA layer's tensors under {a} (self_attn): q/k/v/o projections, short convolutions, the decay
+    gate's f_a/f_b/dt_bias, beta's b_proj and the output norm; the output gate and A_log come in."""
+    P = heads * head_dim
+
+    def lin(name: str, rows: int, cols: int) -> Linear:
+        return Linear(t.weight(f"{name}.weight", rows, cols))
+
+    return KDAttention(
+        q=lin(f"{a}.q_proj", P, E),
+        k=lin(f"{a}.k_proj", P, E),
+        v=lin(f"{a}.v_proj", P, E),
+        conv=conv_weights(t, a, P, conv_kernel),
+        f_a=lin(f"{a}.f_a_proj", head_dim, E),
+        f_b=lin(f"{a}.f_b_proj", P, head_dim),
+        dt_bias=t.vector(f"{a}.dt_bias", P),
+        a_log=a_log,
+        b=lin(f"{a}.b_proj", heads, E),
+        gate=gate,
+        o_norm=t.vector(f"{a}.o_norm.weight", head_dim),
+        o=lin(f"{a}.o_proj", E, P),
+        heads=heads,
+        head_dim=head_dim,
+        eps=eps,
+        gate_lower_bound=gate_lower_bound,
+    )
+
+
 class LowRankGate:
     """g_b(g_a(x)): Kimi Linear's output gate."""
 
@@ -167,23 +214,8 @@ def build(ckpt: Checkpoint, s: KimiLinearSpec) -> Decoder:
         a = f"{p}.self_attn"
         attn: KDAttention | MLAttention
         if s.layer_types[i] == "kda":
-            attn = KDAttention(
-                q=lin(f"{a}.q_proj", P, E),
-                k=lin(f"{a}.k_proj", P, E),
-                v=lin(f"{a}.v_proj", P, E),
-                conv=conv_weights(t, a, P, s.conv_kernel),
-                f_a=lin(f"{a}.f_a_proj", LD, E),
-                f_b=lin(f"{a}.f_b_proj", P, LD),
-                dt_bias=t.vector(f"{a}.dt_bias", P),
-                a_log=per_head(t, f"{a}.A_log", LH),
-                b=lin(f"{a}.b_proj", LH, E),
-                gate=LowRankGate(lin(f"{a}.g_a_proj", LD, E), lin(f"{a}.g_b_proj", P, LD)),
-                o_norm=t.vector(f"{a}.o_norm.weight", LD),
-                o=lin(f"{a}.o_proj", E, P),
-                heads=LH,
-                head_dim=LD,
-                eps=s.rms_norm_eps,
-            )
+            gate = LowRankGate(lin(f"{a}.g_a_proj", LD, E), lin(f"{a}.g_b_proj", P, LD))
+            attn = kda_attention(t, a, E, LH, LD, s.conv_kernel, s.rms_norm_eps, gate, per_head(t, f"{a}.A_log", LH))
         else:
             Q = s.q_lora_rank
             attn = MLAttention(
