@@ -9,6 +9,7 @@ SOURCES = [
     "csrc/quant_float.c",
     "csrc/quant_float_avx2.c",
     "csrc/quant_float_avx512.c",
+    "csrc/quant_blocks.c",
 ]
 
 setup(

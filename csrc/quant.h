@@ -23,6 +23,13 @@ typedef enum {
     MS_F16 = 2,
     MS_FP8_E4M3_B128 = 3, /* e4m3 bytes with a f32 scale per 128x128 block (DeepSeek-V3 weight_scale_inv) */
     MS_MXFP4 = 4,         /* OCP MXFP4: E2M1 nibbles (low nibble = even column), one E8M0 byte per 32 */
+    MS_Q8_0 = 5,          /* GGUF block formats, bit for bit as GGUF stores them */
+    MS_Q4_K = 6,
+    MS_Q6_K = 7,
+    MS_Q3_K = 8,
+    MS_Q2_K = 9,
+    MS_TQ2_0 = 10,
+    MS_TQ1_0 = 11,
     MS_NUM_FORMATS
 } ms_format;
 
@@ -97,5 +104,17 @@ MS_DECLARE_ALL_ISAS(f16)
 MS_DECLARE_ALL_ISAS(fp8)
 MS_DECLARE_ALL_ISAS(mxfp4)
 void ms_prep_x_bf16_avx2(const float *x, int64_t n, float *xp);
+
+/* The block formats (quant_blocks.c): one dequantizer for all ISAs, and a dot that accumulates the
+ * dequantized run with each ISA's canonical lane FMA: lanes[i % 16] = fma(w[i], x[i], lanes[i % 16]),
+ * with i counted from the row's start (runs start at multiples of 16). */
+typedef void (*ms_lanes_fma_fn)(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
+void ms_lanes_fma_scalar(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
+void ms_lanes_fma_avx2(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
+void ms_lanes_fma_avx512(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
+void ms_dequant_blocks(const ms_matrix *m, int64_t row, float *out);
+void ms_dot4_blocks_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
+void ms_dot4_blocks_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
+void ms_dot4_blocks_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
 
 #endif

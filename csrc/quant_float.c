@@ -158,10 +158,22 @@ void ms_dot4_mxfp4_scalar(const ms_matrix *m, int64_t row0, int nrows, const flo
      {ms_dequant_##NAME##_scalar, ms_dequant_##NAME##_avx2, ms_dequant_##NAME##_avx512}, \
      {NULL, PREP_AVX2, NULL}}
 
+#define BLOCK_ROW(NAME, BLOCK, BYTES)                                                        \
+    {#NAME, BLOCK, BYTES,                                                                    \
+     {ms_dot4_blocks_scalar, ms_dot4_blocks_avx2, ms_dot4_blocks_avx512},                    \
+     {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks}, {NULL, NULL, NULL}}
+
 const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_F32] = ROW(f32, 1, 4, NULL),
     [MS_BF16] = ROW(bf16, 1, 2, ms_prep_x_bf16_avx2),
     [MS_F16] = ROW(f16, 1, 2, NULL),
     [MS_FP8_E4M3_B128] = ROW(fp8, 1, 1, NULL),
     [MS_MXFP4] = ROW(mxfp4, 32, 16, NULL),
+    [MS_Q8_0] = BLOCK_ROW(q8_0, 32, 34),
+    [MS_Q4_K] = BLOCK_ROW(q4_k, 256, 144),
+    [MS_Q6_K] = BLOCK_ROW(q6_k, 256, 210),
+    [MS_Q3_K] = BLOCK_ROW(q3_k, 256, 110),
+    [MS_Q2_K] = BLOCK_ROW(q2_k, 256, 84),
+    [MS_TQ2_0] = BLOCK_ROW(tq2_0, 256, 66),
+    [MS_TQ1_0] = BLOCK_ROW(tq1_0, 256, 54),
 };

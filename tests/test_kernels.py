@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moestream import _C
-from moestream.quant import FORMATS, Weight, dequantize_reference
+from moestream.quant import FORMATS, Weight, blocks, dequantize_reference
 from moestream.quant.formats import quantize_fp8_reference, quantize_mxfp4_reference
 
 ISAS = ["scalar", "avx2", "avx512"]
@@ -45,12 +45,16 @@ def make_weight(fmt: str, rows: int, cols: int, seed: int = 0) -> Weight:
         w *= np.exp(rng.standard_normal((rows, 1))).astype(np.float32)
         packed, s8 = quantize_mxfp4_reference(w)
         return Weight(packed, s8, fmt="mxfp4")
+    if fmt in blocks.LAYOUTS:
+        w *= np.exp(rng.standard_normal((rows, 1))).astype(np.float32)
+        return Weight(blocks.quantize(fmt, w), fmt=fmt)
     raise AssertionError(fmt)
 
 
 def shape_for(fmt: str, shape: tuple[int, int]) -> tuple[int, int]:
-    """mxfp4 rows are whole blocks of 32: round the column count up."""
-    return (shape[0], -(-shape[1] // 32) * 32) if fmt == "mxfp4" else shape
+    """Block formats hold whole blocks per row: round the column count up."""
+    block = FORMATS[fmt].block
+    return (shape[0], -(-shape[1] // block) * block)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -153,3 +157,42 @@ def test_mxfp4_quantization_error_is_small():
     packed, s8 = quantize_mxfp4_reference(w)
     d = dequantize_reference(FORMATS["mxfp4"], packed, s8, 64, 256)
     assert np.sqrt(np.mean((d - w) ** 2)) / np.sqrt(np.mean(w**2)) < 0.2
+
+
+@pytest.mark.parametrize("fmt", sorted(blocks.LAYOUTS))
+def test_block_numpy_matches_gguf_package(fmt):
+    """Our numpy dequantizers read GGUF blocks bit for bit as the gguf package's own do, on arbitrary
+    bytes (every bit pattern, NaN scales included) and on blocks from our quantizers."""
+    from gguf import quants
+
+    block, nbytes = blocks.LAYOUTS[fmt]
+    theirs = getattr(quants, fmt.upper())
+    raw = np.random.default_rng(6).integers(0, 256, (200, nbytes), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        a, b = blocks.DEQUANT[fmt](raw.copy()), theirs.dequantize_blocks(raw.copy())
+    assert ((a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))).all()
+    w = np.random.default_rng(7).standard_normal((4, 2 * 256)).astype(np.float32)
+    q = blocks.quantize(fmt, w).reshape(-1, nbytes)
+    assert blocks.DEQUANT[fmt](q.copy()).tobytes() == theirs.dequantize_blocks(q.copy()).tobytes()
+
+
+@pytest.mark.parametrize("fmt", sorted(blocks.LAYOUTS))
+def test_block_c_dequant_on_arbitrary_bytes(isa, fmt):
+    block, nbytes = blocks.LAYOUTS[fmt]
+    raw = np.random.default_rng(8).integers(0, 256, (9, 3 * nbytes), dtype=np.uint8)
+    w = Weight(raw, fmt=fmt)
+    with np.errstate(all="ignore"):
+        ref = w.reference()
+    got = w.dequantize(threads=2)
+    assert ((got.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(got) & np.isnan(ref))).all()
+
+
+# quantization error bound per format (relative RMS on Gaussian weights, our simple quantizers)
+QUANT_RMS = {"q8_0": 0.01, "q6_k": 0.03, "q4_k": 0.1, "q3_k": 0.25, "q2_k": 0.4, "tq2_0": 0.85, "tq1_0": 0.85}
+
+
+@pytest.mark.parametrize("fmt", sorted(blocks.LAYOUTS))
+def test_block_quantizer_error(fmt):
+    w = np.random.default_rng(9).standard_normal((32, 1024)).astype(np.float32)
+    d = blocks.dequantize(fmt, blocks.quantize(fmt, w), 32, 1024)
+    assert np.sqrt(np.mean((d - w) ** 2) / np.mean(w**2)) < QUANT_RMS[fmt]

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import _C
+from . import blocks
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,14 @@ FORMATS: dict[str, Format] = {
     "f16": Format("f16", 2, 1, 2, 1e-5),
     "fp8": Format("fp8", 3, 1, 1, 1e-5),  # e4m3 with one f32 scale per 128x128 block
     "mxfp4": Format("mxfp4", 4, 32, 16, 1e-5),  # E2M1 nibbles + one E8M0 byte per 32 (compressed-tensors)
+    # GGUF block formats (quant/blocks.py), multiplied after an exact in-register dequantization
+    "q8_0": Format("q8_0", 5, 32, 34, 1e-5),
+    "q4_k": Format("q4_k", 6, 256, 144, 1e-5),
+    "q6_k": Format("q6_k", 7, 256, 210, 1e-5),
+    "q3_k": Format("q3_k", 8, 256, 110, 1e-5),
+    "q2_k": Format("q2_k", 9, 256, 84, 1e-5),
+    "tq2_0": Format("tq2_0", 10, 256, 66, 1e-5),
+    "tq1_0": Format("tq1_0", 11, 256, 54, 1e-5),
 }
 
 # Nibble 8 (negative zero) decodes as +0.0 on every path, so that dequantization is bit-exact everywhere.
@@ -78,6 +87,8 @@ def dequantize_reference(fmt: Format, data: np.ndarray, scales: np.ndarray | Non
         scale = np.ldexp(np.float32(1), s8.astype(np.int32) - 127).astype(np.float32)
         scale[s8 == 255] = np.nan
         return (E2M1[nib] * np.repeat(scale, MXFP4_BLOCK, axis=1)).astype(np.float32)
+    if fmt.name in blocks.LAYOUTS:
+        return blocks.dequantize(fmt.name, raw, rows, cols)
     raise ValueError(f"no reference for format {fmt.name}")
 
 

@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import _C
+from .blocks import LAYOUTS as BLOCK_FORMATS
 from .formats import FORMATS, FP8_BLOCK, MXFP4_BLOCK, Format, dequantize_reference, fp8_scale_shape
 
 _NP_TO_FORMAT = {
@@ -34,6 +35,10 @@ class Weight:
             raise ValueError(f"no kernel for weights of dtype {data.dtype}")
         self.fmt: Format = FORMATS[name]
         self.rows, self.cols = int(data.shape[0]), int(data.shape[1])
+        if name in BLOCK_FORMATS:
+            if data.dtype != np.uint8 or data.shape[1] % self.fmt.block_bytes:
+                raise ValueError(f"{name} rows must be whole {self.fmt.block_bytes}-byte blocks of uint8")
+            self.cols = data.shape[1] // self.fmt.block_bytes * self.fmt.block
         if name == "mxfp4":
             if data.dtype != np.uint8 or scales is None or scales.dtype != np.uint8:
                 raise ValueError("mxfp4 weights are uint8 packed nibbles with uint8 E8M0 scales")
@@ -94,6 +99,8 @@ class Weight:
         if self.fmt.name == "mxfp4":
             assert self.scales is not None
             return dequantize_reference(self.fmt, self.data[rows], self.scales[rows], len(rows), self.cols)
+        if self.fmt.name in BLOCK_FORMATS:
+            return dequantize_reference(self.fmt, self.data[rows], None, len(rows), self.cols)
         if self.fmt.name == "fp8":
             assert self.scales is not None
             s = np.repeat(self.scales[rows // FP8_BLOCK], FP8_BLOCK, axis=1)[:, : self.cols]  # [n, cols]

@@ -1,0 +1,174 @@
+/* GGUF block formats (q8_0, q4_k, q6_k, q3_k, q2_k, tq2_0, tq1_0): one block of bytes to floats, in
+ * exactly the float operations of the numpy reference (src/moestream/quant/blocks.py). The dot kernels
+ * dequantize a run of blocks into a buffer and accumulate it with the canonical lane FMA of each ISA
+ * (ms_lanes_fma_*), so every path gives the same bits. */
+#include <math.h>
+#include <string.h>
+
+#include "quant.h"
+
+static inline float h2f(const uint8_t *p) { return ms_f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
+
+static void deq_q8_0(const uint8_t *b, float *y) {
+    float d = h2f(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int i = 0; i < 32; i++) y[i] = (float)q[i] * d;
+}
+
+static void k4_scale_min(int j, const uint8_t *s, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+        *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+static void deq_q4_k(const uint8_t *b, float *y) {
+    float d = h2f(b), dmin = h2f(b + 2);
+    const uint8_t *s = b + 4, *q = b + 16;
+    for (int j = 0; j < 8; j++) { /* sub-block j: bytes q[32*(j/2) ..], low nibble for even j */
+        uint8_t sc, m;
+        k4_scale_min(j, s, &sc, &m);
+        float dl = d * (float)sc, ml = dmin * (float)m;
+        const uint8_t *qq = q + 32 * (j / 2);
+        int shift = (j & 1) * 4;
+        for (int l = 0; l < 32; l++) y[32 * j + l] = dl * (float)((qq[l] >> shift) & 0x0F) - ml;
+    }
+}
+
+static void deq_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = h2f(b + 208);
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *L = ql + 64 * half, *Hh = qh + 32 * half;
+        float *Y = y + 128 * half;
+        for (int l = 0; l < 32; l++) {
+            int q1 = ((L[l] & 0x0F) | (((Hh[l] >> 0) & 3) << 4)) - 32;
+            int q2 = ((L[l + 32] & 0x0F) | (((Hh[l] >> 2) & 3) << 4)) - 32;
+            int q3 = ((L[l] >> 4) | (((Hh[l] >> 4) & 3) << 4)) - 32;
+            int q4 = ((L[l + 32] >> 4) | (((Hh[l] >> 6) & 3) << 4)) - 32;
+            int g = 8 * half + l / 16; /* scale of element 16*g + (l % 16) */
+            Y[l] = (d * (float)sc[g]) * (float)q1;
+            Y[l + 32] = (d * (float)sc[g + 2]) * (float)q2;
+            Y[l + 64] = (d * (float)sc[g + 4]) * (float)q3;
+            Y[l + 96] = (d * (float)sc[g + 6]) * (float)q4;
+        }
+    }
+}
+
+static void deq_q3_k(const uint8_t *b, float *y) {
+    const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+    float d = h2f(b + 108);
+    for (int g = 0; g < 16; g++) { /* 16 sub-blocks of 16 */
+        int lo = (s[g % 8] >> (4 * (g / 8))) & 0x0F;
+        int hi = (s[8 + g % 4] >> (2 * (g / 4))) & 0x03;
+        float dl = d * (float)((lo | (hi << 4)) - 32);
+        for (int l = 0; l < 16; l++) {
+            int e = 16 * g + l;     /* element */
+            int half = e / 128;     /* which 32 bytes of qs */
+            int shift = ((e % 128) / 32) * 2;
+            int i = e % 32;
+            int ql = (qs[32 * half + i] >> shift) & 3;
+            int h = (hm[i] >> (e / 32)) & 1;
+            y[e] = dl * (float)(ql - (h ? 0 : 4));
+        }
+    }
+}
+
+static void deq_q2_k(const uint8_t *b, float *y) {
+    const uint8_t *s = b, *qs = b + 16;
+    float d = h2f(b + 80), dmin = h2f(b + 82);
+    for (int g = 0; g < 16; g++) {
+        float dl = d * (float)(s[g] & 0x0F), ml = dmin * (float)(s[g] >> 4);
+        for (int l = 0; l < 16; l++) {
+            int e = 16 * g + l;
+            int q = (qs[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3;
+            y[e] = dl * (float)q - ml;
+        }
+    }
+}
+
+static void deq_tq2_0(const uint8_t *b, float *y) {
+    float d = h2f(b + 64);
+    for (int e = 0; e < 256; e++) {
+        int q = (b[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3;
+        y[e] = d * (float)(q - 1);
+    }
+}
+
+static inline int trit(uint8_t v, int j) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    uint8_t t = (uint8_t)(v * pow3[j]);
+    return (int)(((uint16_t)t * 3) >> 8);
+}
+
+static void deq_tq1_0(const uint8_t *b, float *y) {
+    float d = h2f(b + 52);
+    for (int j = 0; j < 5; j++)
+        for (int i = 0; i < 32; i++) y[32 * j + i] = d * (float)(trit(b[i], j) - 1);
+    for (int j = 0; j < 5; j++)
+        for (int i = 0; i < 16; i++) y[160 + 16 * j + i] = d * (float)(trit(b[32 + i], j) - 1);
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) y[240 + 4 * j + i] = d * (float)(trit(b[48 + i], j) - 1);
+}
+
+typedef void (*block_fn)(const uint8_t *b, float *y);
+
+static block_fn block_dequant(ms_format f) {
+    switch (f) {
+        case MS_Q8_0: return deq_q8_0;
+        case MS_Q4_K: return deq_q4_k;
+        case MS_Q6_K: return deq_q6_k;
+        case MS_Q3_K: return deq_q3_k;
+        case MS_Q2_K: return deq_q2_k;
+        case MS_TQ2_0: return deq_tq2_0;
+        case MS_TQ1_0: return deq_tq1_0;
+        default: return NULL;
+    }
+}
+
+/* Row dequantization: the same on every ISA (the block functions are the definition). */
+void ms_dequant_blocks(const ms_matrix *m, int64_t row, float *out) {
+    const ms_format_traits *t = &ms_formats[m->fmt];
+    block_fn f = block_dequant(m->fmt);
+    const uint8_t *p = m->data + row * m->row_bytes;
+    for (int64_t c = 0; c < m->cols; c += t->block, p += t->block_bytes) f(p, out + c);
+}
+
+/* dot over a row: dequantize 512 columns at a time, accumulate with the ISA's canonical lane FMA. */
+#define BUF 512
+static void dot4_blocks(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out, ms_lanes_fma_fn fma) {
+    const ms_format_traits *t = &ms_formats[m->fmt];
+    block_fn f = block_dequant(m->fmt);
+    float buf[BUF];
+    int per = BUF / t->block; /* blocks per buffer (block divides 512) */
+    for (int r = 0; r < nrows; r++) {
+        float lanes[MS_LANES] = {0};
+        const uint8_t *p = m->data + (row0 + r) * m->row_bytes;
+        for (int64_t c = 0; c < m->cols; c += BUF) {
+            int nb = 0;
+            for (; nb < per && c + (int64_t)nb * t->block < m->cols; nb++) f(p + (int64_t)nb * t->block_bytes, buf + nb * t->block);
+            p += (int64_t)nb * t->block_bytes;
+            fma(lanes, buf, x + c, (int64_t)nb * t->block);
+        }
+        out[r] = ms_lanes_reduce(lanes);
+    }
+}
+
+void ms_dot4_blocks_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
+    dot4_blocks(m, row0, nrows, x, out, ms_lanes_fma_scalar);
+}
+void ms_dot4_blocks_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
+    dot4_blocks(m, row0, nrows, x, out, ms_lanes_fma_avx2);
+}
+void ms_dot4_blocks_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
+    dot4_blocks(m, row0, nrows, x, out, ms_lanes_fma_avx512);
+}
+
+/* Scalar canonical accumulation of n floats (n a multiple of 16 except at a row's end). */
+void ms_lanes_fma_scalar(float lanes[MS_LANES], const float *w, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) lanes[i & (MS_LANES - 1)] = fmaf(w[i], x[i], lanes[i & (MS_LANES - 1)]);
+}
