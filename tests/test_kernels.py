@@ -165,7 +165,7 @@ def test_block_numpy_matches_gguf_package(fmt):
     bytes (every bit pattern, NaN scales included) and on blocks from our quantizers."""
     from gguf import quants
 
-    block, nbytes = blocks.LAYOUTS[fmt]
+    _block, nbytes = blocks.LAYOUTS[fmt]
     theirs = getattr(quants, fmt.upper())
     raw = np.random.default_rng(6).integers(0, 256, (200, nbytes), dtype=np.uint8)
     with np.errstate(all="ignore"):
@@ -178,7 +178,7 @@ def test_block_numpy_matches_gguf_package(fmt):
 
 @pytest.mark.parametrize("fmt", sorted(blocks.LAYOUTS))
 def test_block_c_dequant_on_arbitrary_bytes(isa, fmt):
-    block, nbytes = blocks.LAYOUTS[fmt]
+    _block, nbytes = blocks.LAYOUTS[fmt]
     raw = np.random.default_rng(8).integers(0, 256, (9, 3 * nbytes), dtype=np.uint8)
     w = Weight(raw, fmt=fmt)
     with np.errstate(all="ignore"):

@@ -129,7 +129,7 @@ DEQUANT = {
 
 
 def dequantize(fmt: str, data: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    block, nbytes = LAYOUTS[fmt]
+    _block, nbytes = LAYOUTS[fmt]
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nbytes)
     return DEQUANT[fmt](raw).reshape(rows, cols).astype(np.float32)
 
@@ -167,7 +167,9 @@ def _pack_bits(q: np.ndarray, shifts: list[int]) -> np.ndarray:
     return out
 
 
-def _minmax_subblocks(x: np.ndarray, levels: int, scale_bits: int):  # type: ignore[no-untyped-def]
+def _minmax_subblocks(
+    x: np.ndarray, levels: int, scale_bits: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """x [n, g, size] -> (d, dmin f16-rounded [n], sc, m [n, g] codes, q [n, g, size] in 0..levels)."""
     mn = np.minimum(x.min(axis=2), 0.0)
     scale = (x.max(axis=2) - mn) / levels
@@ -200,7 +202,7 @@ def quant_q2_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([sc | (m << 4), qs, _half(d), _half(dmin)], axis=1)
 
 
-def _symmetric_subblocks(x: np.ndarray, qmax: int, scale_max: int):  # type: ignore[no-untyped-def]
+def _symmetric_subblocks(x: np.ndarray, qmax: int, scale_max: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [n, g, size] -> (d f16-rounded [n], sc [n, g] signed codes, q [n, g, size] in -qmax-1..qmax)."""
     scale = np.abs(x).max(axis=2) / qmax
     d = (scale.max(axis=1) / scale_max).astype(np.float16).astype(np.float32)
