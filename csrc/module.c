@@ -43,6 +43,14 @@ static int make_matrix(int fmt, Py_buffer *w, Py_buffer *s, int has_scales, long
         }
         m->scales = s->buf;
     }
+    if (fmt == MS_INT4_G32) {
+        long long need = rows * (cols / 32) * (long long)sizeof(float);
+        if (!has_scales || s->len < need) {
+            PyErr_Format(PyExc_ValueError, "int4 weight needs a float32 group-scale buffer of %lld bytes", need);
+            return -1;
+        }
+        m->scales = s->buf;
+    }
     if (fmt == MS_MXFP4) {
         long long need = rows * (cols / 32);
         if (!has_scales || s->len < need) {

@@ -30,6 +30,7 @@ typedef enum {
     MS_Q2_K = 9,
     MS_TQ2_0 = 10,
     MS_TQ1_0 = 11,
+    MS_INT4_G32 = 12,     /* compressed-tensors pack-quantized int4: nibble - 8, one f32 scale per 32 */
     MS_NUM_FORMATS
 } ms_format;
 
@@ -88,6 +89,10 @@ static inline const float *ms_fp8_scale_row(const ms_matrix *m, int64_t row) {
     return (const float *)m->scales + (row / 128) * ncb;
 }
 
+static inline const float *ms_int4_scale_row(const ms_matrix *m, int64_t row) {
+    return (const float *)m->scales + row * (m->cols / 32);
+}
+
 static inline const uint8_t *ms_mxfp4_scale_row(const ms_matrix *m, int64_t row) {
     return (const uint8_t *)m->scales + row * (m->cols / 32);
 }
@@ -113,6 +118,10 @@ void ms_lanes_fma_scalar(float lanes[MS_LANES], const float *w, const float *x, 
 void ms_lanes_fma_avx2(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
 void ms_lanes_fma_avx512(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
 void ms_dequant_blocks(const ms_matrix *m, int64_t row, float *out);
+void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out);
+void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
+void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
+void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
 void ms_dot4_blocks_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
 void ms_dot4_blocks_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
 void ms_dot4_blocks_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);

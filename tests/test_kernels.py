@@ -10,7 +10,7 @@ import pytest
 
 from moestream import _C
 from moestream.quant import FORMATS, Weight, blocks, dequantize_reference
-from moestream.quant.formats import quantize_fp8_reference, quantize_mxfp4_reference
+from moestream.quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
 
 ISAS = ["scalar", "avx2", "avx512"]
 SHAPES = [(1, 1), (5, 17), (37, 53), (130, 300), (64, 2048)]
@@ -45,6 +45,10 @@ def make_weight(fmt: str, rows: int, cols: int, seed: int = 0) -> Weight:
         w *= np.exp(rng.standard_normal((rows, 1))).astype(np.float32)
         packed, s8 = quantize_mxfp4_reference(w)
         return Weight(packed, s8, fmt="mxfp4")
+    if fmt == "int4":
+        w *= np.exp(rng.standard_normal((rows, 1))).astype(np.float32)
+        packed, scale = quantize_int4_reference(w)
+        return Weight(packed, scale, fmt="int4")
     if fmt in blocks.LAYOUTS:
         w *= np.exp(rng.standard_normal((rows, 1))).astype(np.float32)
         return Weight(blocks.quantize(fmt, w), fmt=fmt)
@@ -196,3 +200,13 @@ def test_block_quantizer_error(fmt):
     w = np.random.default_rng(9).standard_normal((32, 1024)).astype(np.float32)
     d = blocks.dequantize(fmt, blocks.quantize(fmt, w), 32, 1024)
     assert np.sqrt(np.mean((d - w) ** 2) / np.mean(w**2)) < QUANT_RMS[fmt]
+
+
+def test_int4_layout():
+    """compressed-tensors packs value + 8 per nibble, element j of an int32 in bits 4j..4j+3."""
+    word = np.array([[0x76543210 - (1 << 32)]], np.int64).astype(np.int32)  # nibbles 0..7 -> values -8..-1
+    packed = np.concatenate([word, np.full((1, 3), 0x88888888 - (1 << 32), np.int64).astype(np.int32)], axis=1)
+    w = Weight(packed, np.array([[0.5]], np.float32), fmt="int4")
+    d = w.dequantize()
+    assert d[0, :8].tolist() == [-4.0, -3.5, -3.0, -2.5, -2.0, -1.5, -1.0, -0.5]
+    assert d[0, 8:].tolist() == [0.0] * 24

@@ -40,6 +40,8 @@ FORMATS: dict[str, Format] = {
     "q2_k": Format("q2_k", 9, 256, 84, 1e-5),
     "tq2_0": Format("tq2_0", 10, 256, 66, 1e-5),
     "tq1_0": Format("tq1_0", 11, 256, 54, 1e-5),
+    # compressed-tensors pack-quantized int4 (Kimi K2 Thinking experts): nibble - 8, f32 scale per 32
+    "int4": Format("int4", 12, 32, 16, 1e-5),
 }
 
 # Nibble 8 (negative zero) decodes as +0.0 on every path, so that dequantization is bit-exact everywhere.
@@ -87,6 +89,12 @@ def dequantize_reference(fmt: Format, data: np.ndarray, scales: np.ndarray | Non
         scale = np.ldexp(np.float32(1), s8.astype(np.int32) - 127).astype(np.float32)
         scale[s8 == 255] = np.nan
         return (E2M1[nib] * np.repeat(scale, MXFP4_BLOCK, axis=1)).astype(np.float32)
+    if fmt.name == "int4":
+        assert scales is not None
+        packed = raw.reshape(rows, cols // 2)
+        nib = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, cols).astype(np.int8) - np.int8(8)
+        scale = np.asarray(scales, np.float32).reshape(rows, cols // 32)
+        return (nib.astype(np.float32) * np.repeat(scale, 32, axis=1)).astype(np.float32)
     if fmt.name in blocks.LAYOUTS:
         return blocks.dequantize(fmt.name, raw, rows, cols)
     raise ValueError(f"no reference for format {fmt.name}")
@@ -127,3 +135,18 @@ def quantize_mxfp4_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     nib = (idx | np.where(scaled < 0, 8, 0).astype(np.uint8)).reshape(rows, cols)
     packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
     return packed, s8.reshape(rows, cols // MXFP4_BLOCK)
+
+
+def quantize_int4_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [rows, cols] -> (int32 weight_packed [rows, cols/8], f32 weight_scale [rows, cols/32]) as
+    compressed-tensors pack-quantized stores symmetric int4 with group size 32 (value + 8 per nibble)."""
+    rows, cols = w.shape
+    if cols % 32:
+        raise ValueError(f"int4 needs cols divisible by 32, got {cols}")
+    g = w.astype(np.float32).reshape(rows, cols // 32, 32)
+    scale = (np.abs(g).max(axis=-1) / 7).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale[..., None] > 0, np.round(g / scale[..., None]), 0)
+    u = (np.clip(q, -8, 7) + 8).astype(np.uint8).reshape(rows, cols)
+    packed = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)
+    return packed.view("<i4").reshape(rows, cols // 8), scale

@@ -35,6 +35,16 @@ class Weight:
             raise ValueError(f"no kernel for weights of dtype {data.dtype}")
         self.fmt: Format = FORMATS[name]
         self.rows, self.cols = int(data.shape[0]), int(data.shape[1])
+        if name == "int4":
+            if scales is None or data.dtype not in (np.int32, np.uint8):
+                raise ValueError("int4 weights are int32 (or uint8) packed nibbles with per-32 scales")
+            data = np.ascontiguousarray(data).view(np.uint8)
+            self.cols = 2 * int(data.shape[1])
+            if tuple(scales.shape) != (self.rows, self.cols // 32):
+                raise ValueError(
+                    f"int4 scales have shape {list(scales.shape)}, expected {[self.rows, self.cols // 32]}"
+                )
+            scales = np.ascontiguousarray(scales, dtype=np.float32)
         if name in BLOCK_FORMATS:
             if data.dtype != np.uint8 or data.shape[1] % self.fmt.block_bytes:
                 raise ValueError(f"{name} rows must be whole {self.fmt.block_bytes}-byte blocks of uint8")
@@ -96,7 +106,7 @@ class Weight:
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
         """Selected rows as f32 (embedding lookups), by the numpy reference."""
         rows = np.asarray(rows, dtype=np.int64)
-        if self.fmt.name == "mxfp4":
+        if self.fmt.name in ("mxfp4", "int4"):
             assert self.scales is not None
             return dequantize_reference(self.fmt, self.data[rows], self.scales[rows], len(rows), self.cols)
         if self.fmt.name in BLOCK_FORMATS:
