@@ -1,0 +1,85 @@
+"""GB/s of weights streamed by the matvec kernels, per format, for three decode shapes at 1 and 2 threads,
+beside a plain memory read measured in the same run. Each measurement cycles through enough copies of
+the matrix (>= 1 GB) that the weights come from memory, as in decode.
+
+    python3 benchmarks/kernels.py [--formats bf16,q4_k,...] [--seconds 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import ml_dtypes
+import numpy as np
+
+from common import best_time, commit, machine, table
+from moestream import _C
+from moestream.quant import FORMATS, Weight, blocks
+from moestream.quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
+
+SHAPES = [(4096, 14336), (7168, 2048), (3584, 3072)]  # [rows, cols]: out x in
+TARGET = {"q4_k", "mxfp4", "int4", "q8_0"}  # >= 80% of the memory read at 2 threads (issue 4)
+
+
+def make(fmt: str, w: np.ndarray) -> Weight:
+    if fmt == "f32":
+        return Weight(w)
+    if fmt == "bf16":
+        return Weight(w.astype(ml_dtypes.bfloat16))
+    if fmt == "f16":
+        return Weight(w.astype(np.float16))
+    if fmt == "fp8":
+        return Weight(*quantize_fp8_reference(w))
+    if fmt == "mxfp4":
+        return Weight(*quantize_mxfp4_reference(w), fmt="mxfp4")
+    if fmt == "int4":
+        return Weight(*quantize_int4_reference(w), fmt="int4")
+    return Weight(blocks.quantize(fmt, w), fmt=fmt)
+
+
+def copies(w: Weight, total: float = 1.2e9) -> list[Weight]:
+    n = max(2, int(total // w.nbytes))
+    out = [w]
+    for _ in range(n - 1):
+        c = Weight.__new__(Weight)
+        for slot in ("fmt", "rows", "cols", "_validate"):
+            setattr(c, slot, getattr(w, slot))
+        c.data = w.data.copy()
+        c.scales = None if w.scales is None else w.scales.copy()
+        out.append(c)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--seconds", type=float, default=0.3)
+    args = ap.parse_args()
+    print(f"machine: {machine()}\ncommit: {commit()}\n")
+    buf = np.ones(1 << 30, np.uint8)
+    base = {t: (1 << 30) / best_time(lambda t=t: _C.memread(buf, t), 3, args.seconds) / 1e9 for t in (1, 2)}
+    buf = np.zeros(0, np.uint8)  # free it
+    rng = np.random.default_rng(0)
+    rows: list[list[object]] = [["memory read", "", f"{base[1]:.1f}", "100%", f"{base[2]:.1f}", "100%"]]
+    for fmt in args.formats.split(","):
+        for r, c in SHAPES:
+            ws = copies(make(fmt, rng.standard_normal((r, c)).astype(np.float32)))
+            x = rng.standard_normal((1, c)).astype(np.float32)
+            cells: list[object] = [fmt + (" *" if fmt in TARGET else ""), f"{r}x{c}"]
+            for t in (1, 2):
+                i = [0]
+
+                def step(t: int = t, ws: list[Weight] = ws, x: np.ndarray = x, i: list[int] = i) -> None:
+                    ws[i[0] % len(ws)].matmul(x, t)
+                    i[0] += 1
+
+                gbs = ws[0].nbytes / best_time(step, 3, args.seconds) / 1e9
+                cells += [f"{gbs:.1f}", f"{100 * gbs / base[t]:.0f}%"]
+            rows.append(cells)
+            del ws
+    print(table(["format", "shape", "GB/s 1 thr", "of read", "GB/s 2 thr", "of read"], rows))
+    print("\n* target: >= 80% of the memory read at 2 threads")
+
+
+if __name__ == "__main__":
+    main()
