@@ -84,6 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     i.add_argument("model", type=Path, help="checkpoint directory, or a config.json")
 
+    k = sub.add_parser(
+        "pack",
+        help="rewrite a checkpoint as a packed store for streaming",
+        description="Rewrite a checkpoint once into a packed store: a manifest, the trunk with each layer "
+        "contiguous and 4096-aligned, and one aligned blob per (layer, expert). Matrices can be requantized; "
+        "`keep` leaves them in the checkpoint's format. Written atomically and verified.",
+    )
+    from .formats.packed import PACK_FORMATS
+
+    k.add_argument("src", type=Path, help="checkpoint directory")
+    k.add_argument("dst", type=Path, help="output directory")
+    k.add_argument("--experts", default="keep", choices=PACK_FORMATS, help="format of routed experts")
+    k.add_argument("--trunk", default="keep", choices=PACK_FORMATS, help="format of the other matrices")
+    k.add_argument("--force", action="store_true", help="replace DST if it exists")
+
     s = sub.add_parser(
         "synth",
         help="write a random-weight checkpoint",
@@ -245,6 +260,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pack(args: argparse.Namespace) -> int:
+    from .formats.packed import pack
+
+    out = pack(args.src, args.dst, experts=args.experts, trunk=args.trunk, force=args.force)
+    print(out)
+    return 0
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     from .synth import parse_set, synth
 
@@ -280,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_synth(args)
         if args.command == "inspect":
             return cmd_inspect(args)
+        if args.command == "pack":
+            return cmd_pack(args)
         parser.error(f"unknown command {args.command}")
     except MoeStreamError as e:
         sys.stdout.flush()

@@ -21,6 +21,7 @@ from . import models
 from .config import ModelSpec
 from .errors import InputError
 from .formats.checkpoint import Checkpoint
+from .formats.packed import PackedStore, is_packed
 from .models.base import Ctx, State
 from .models.base import Model as Network
 from .tokenizer import Tokenizer, load_tokenizer
@@ -177,12 +178,22 @@ def load(path: str | os.PathLike[str], threads: int | None = None, preload: bool
     at load time (no page faults while generating), False maps pages on first use, None (default)
     preloads when the checkpoint takes less than 3/4 of the available memory."""
     p = Path(path)
-    probe = Checkpoint(p)
-    if preload is None:
-        preload = probe.nbytes < 0.75 * available_memory()
-    ckpt = Checkpoint(p, preload=preload) if preload else probe
+    store: Checkpoint | PackedStore
+    if is_packed(p):
+        store = PackedStore(p)
+        if preload is None:
+            preload = store.nbytes < 0.75 * available_memory()
+        if preload:
+            store = PackedStore(p, preload=True)
+    else:
+        store = Checkpoint(p)
+        if preload is None:
+            preload = store.nbytes < 0.75 * available_memory()
+        if preload:
+            store = Checkpoint(p, preload=True)
+    ckpt = store
     spec = models.read_spec(ckpt.config)
-    decoder = models.build(ckpt, spec)
+    decoder = models.build(ckpt, spec)  # type: ignore[arg-type]  # a PackedStore reads like a Checkpoint
     tok = load_tokenizer(p)
     n = default_threads() if threads is None else int(threads)
     if n < 1:

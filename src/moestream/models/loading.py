@@ -21,8 +21,16 @@ class Tensors:
     def has(self, name: str) -> bool:
         return self.ckpt.has(name)
 
+    def packed(self, name: str, rows: int, cols: int) -> Weight | None:
+        """The matrix as a packed store requantized it, if it did."""
+        get = getattr(self.ckpt, "matrix", None)
+        return get(name, rows, cols) if get is not None else None
+
     def weight(self, name: str, rows: int, cols: int) -> Weight:
         """A [rows, cols] matrix in its stored format (fp8 with its weight_scale_inv block scales)."""
+        packed = self.packed(name, rows, cols)
+        if packed is not None:
+            return packed
         arr = self.ckpt.array(name, (rows, cols))
         return self._weight(name, arr)
 
@@ -41,6 +49,9 @@ class Tensors:
     def mxfp4(self, prefix: str, rows: int, cols: int) -> Weight:
         """compressed-tensors mxfp4-pack-quantized: {prefix}.weight_packed uint8 [rows, cols/2] and
         {prefix}.weight_scale uint8 [rows, cols/32] (E8M0; 255 is NaN and refused)."""
+        packed_w = self.packed(prefix, rows, cols)
+        if packed_w is not None:
+            return packed_w
         if cols % 32:
             raise CheckpointError(f"{self.ckpt.path}: {prefix}: mxfp4 needs a width divisible by 32, got {cols}")
         packed = self.ckpt.array(f"{prefix}.weight_packed", (rows, cols // 2))

@@ -1,0 +1,421 @@
+"""The packed store (`moestream pack`): a checkpoint rewritten once for streaming.
+
+    DST/manifest.json   what is where: every tensor's file, offset, bytes, dtype or format, CRC32
+    DST/trunk.bin       everything but the routed experts, each layer's tensors contiguous, 4096-aligned
+    DST/experts.bin     one 4096-aligned blob per (layer, expert): gate, up and down together
+    DST/config.json and the tokenizer files, copied
+
+Matrices may be requantized on the way (--experts / --trunk FORMAT; `keep` leaves a tensor in its
+checkpoint format); vectors (norms, biases, convolutions) are always kept as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from ..errors import CheckpointError, InputError
+from ..quant import FORMATS, Weight, blocks
+from ..quant.formats import quantize_int4_reference, quantize_mxfp4_reference
+from .checkpoint import Checkpoint, read_json
+from .safetensors import DTYPE_NAMES, DTYPES, MappedFile, TensorInfo
+
+MANIFEST = "manifest.json"
+VERSION = 1
+ALIGN = 4096
+PACK_FORMATS = ["keep", "q8_0", "q6_k", "q4_k", "q3_k", "q2_k", "tq2_0", "tq1_0", "mxfp4", "int4"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "generation_config.json")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".experts." in name and "shared_experts" not in name
+
+
+def is_router(name: str) -> bool:
+    """MoE routers stay as they are (as llama.cpp keeps them): a small change there flips expert choices."""
+    return name.endswith(".gate.weight")
+
+
+@dataclass
+class Matrix:
+    """A logical weight matrix of the source: its tensors and how to read it as a Weight."""
+
+    name: str  # the name the architecture asks for (X.weight, or X for an MXFP4 pair)
+    tensors: list[str]  # source tensors that hold it
+    rows: int
+    cols: int
+
+
+class _MatrixProbe:
+    """Wraps a checkpoint and records which names the architecture's builder multiplies with (asks for
+    as matrices); everything else it reads as plain tensors, which a pack keeps."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.path, self.config, self.tensors = ckpt.path, ckpt.config, ckpt.tensors
+        self.asked: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return self.ckpt.has(name)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.ckpt.info(name)
+
+    def array(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        return self.ckpt.array(name, shape)
+
+    def matrix(self, name: str, rows: int, cols: int) -> None:
+        self.asked.add(name)
+
+
+def find_matrices(ckpt: Checkpoint) -> tuple[dict[str, Matrix], list[str]]:
+    """Splits the checkpoint into the matrices the model multiplies with (2-D float weights, fp8 with
+    scales, MXFP4 pairs) and the other tensors, which are always kept."""
+    from .. import models
+
+    probe = _MatrixProbe(ckpt)
+    models.build(probe, models.read_spec(ckpt.config))  # type: ignore[arg-type]
+    matrices: dict[str, Matrix] = {}
+    used: set[str] = set()
+    for name, info in ckpt.tensors.items():
+        if name not in probe.asked and name.removesuffix(".weight_packed") not in probe.asked:
+            continue
+        if name.endswith(".weight_packed") and info.dtype == "U8":
+            prefix = name.removesuffix(".weight_packed")
+            scale = prefix + ".weight_scale"
+            if ckpt.has(scale):
+                matrices[prefix] = Matrix(prefix, [name, scale], info.shape[0], info.shape[1] * 2)
+                used.update((name, scale))
+        elif name.endswith(".weight") and len(info.shape) == 2 and info.dtype in ("F32", "BF16", "F16", "F8_E4M3"):
+            tensors = [name]
+            inv = name.removesuffix("weight") + "weight_scale_inv"
+            if info.dtype == "F8_E4M3" and ckpt.has(inv):
+                tensors.append(inv)
+            matrices[name] = Matrix(name, tensors, info.shape[0], info.shape[1])
+            used.update(tensors)
+    others = [n for n in ckpt.tensors if n not in used]
+    return matrices, others
+
+
+def source_weight(ckpt: Checkpoint, m: Matrix) -> Weight:
+    if len(m.tensors) == 2 and m.tensors[0].endswith(".weight_packed"):
+        return Weight(ckpt.array(m.tensors[0]), ckpt.array(m.tensors[1]), fmt="mxfp4")
+    scales = ckpt.array(m.tensors[1]).astype(np.float32) if len(m.tensors) == 2 else None
+    return Weight(ckpt.array(m.tensors[0]), scales)
+
+
+def quantize(fmt: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """f32 [rows, cols] -> (data, scales) of a pack format."""
+    if fmt == "mxfp4":
+        return quantize_mxfp4_reference(w)
+    if fmt == "int4":
+        packed, scale = quantize_int4_reference(w)
+        return packed.view(np.uint8), scale
+    return blocks.quantize(fmt, w), None
+
+
+def fits(fmt: str, cols: int) -> bool:
+    return fmt == "keep" or cols % FORMATS[fmt].block == 0
+
+
+def _group_key(name: str) -> tuple[int, int]:
+    """Layer order: the embedding first, layers in order, the rest (final norm, head) last."""
+    m = _LAYER.search(name)
+    if m:
+        return (1, int(m.group(1)))
+    return (0, 0) if "embed" in name else (2, 0)
+
+
+class _Writer:
+    def __init__(self, path: Path):
+        self.f = open(path, "wb")
+        self.pos = 0
+
+    def align(self) -> None:
+        pad = -self.pos % ALIGN
+        if pad:
+            self.f.write(b"\0" * pad)
+            self.pos += pad
+
+    def write(self, arr: np.ndarray) -> tuple[int, int, int]:
+        raw = np.ascontiguousarray(arr).tobytes()
+        off = self.pos
+        self.f.write(raw)
+        self.pos += len(raw)
+        return off, len(raw), zlib.crc32(raw)
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def pack(
+    src: Path,
+    dst: Path,
+    experts: str = "keep",
+    trunk: str = "keep",
+    force: bool = False,
+    progress: bool | None = None,
+) -> Path:
+    for what, fmt in (("--experts", experts), ("--trunk", trunk)):
+        if fmt not in PACK_FORMATS:
+            raise InputError(f"pack: {what} {fmt!r} is not a format (choose from {', '.join(PACK_FORMATS)})")
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not force:
+        raise InputError(f"pack: {dst} exists (use --force to replace it)")
+    ckpt = Checkpoint(src)
+    matrices, others = find_matrices(ckpt)  # also refuses an unsupported or inconsistent model
+
+    def target(m: Matrix) -> str:
+        if is_router(m.name):
+            return "keep"
+        fmt = experts if is_routed_expert(m.name) else trunk
+        return fmt if fits(fmt, m.cols) else "keep"
+
+    def out_bytes(m: Matrix) -> int:
+        fmt = target(m)
+        if fmt == "keep":
+            return sum(ckpt.info(t).nbytes for t in m.tensors)
+        f = FORMATS[fmt]
+        extra = {"mxfp4": 1, "int4": 4}.get(fmt, 0) * m.rows * (m.cols // 32)
+        return m.rows * (m.cols // f.block) * f.block_bytes + extra
+
+    need = sum(out_bytes(m) for m in matrices.values()) + sum(ckpt.info(n).nbytes for n in others)
+    need += ALIGN * (len(matrices) + len(others))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(dst.parent).free
+    if need > free:
+        raise InputError(f"pack: {dst.parent} has {free / 1e9:.2f} GB free, the packed store needs {need / 1e9:.2f} GB")
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        manifest = _write(ckpt, tmp, matrices, others, target, progress, experts, trunk)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        shutil.copy(src / "config.json", tmp / "config.json")
+        for f in [*TOKENIZER_FILES, *(p.name for p in Path(src).glob("tokenization_*.py"))]:
+            if (Path(src) / f).exists():
+                shutil.copy(Path(src) / f, tmp / f)
+        verify(tmp)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _write(
+    ckpt: Checkpoint,
+    tmp: Path,
+    matrices: dict[str, Matrix],
+    others: list[str],
+    target: Callable[[Matrix], str],
+    progress: bool | None,
+    experts_fmt: str,
+    trunk_fmt: str,
+) -> dict[str, Any]:
+    writers = {"trunk": _Writer(tmp / "trunk.bin"), "experts": _Writer(tmp / "experts.bin")}
+    tensors: dict[str, Any] = {}
+    mats: dict[str, Any] = {}
+    blobs: dict[str, Any] = {}
+
+    def put_raw(w: _Writer, name: str) -> None:
+        info = ckpt.info(name)
+        off, n, crc = w.write(ckpt.array(name))
+        tensors[name] = {
+            "file": "trunk" if w is writers["trunk"] else "experts",
+            "offset": off,
+            "nbytes": n,
+            "dtype": info.dtype,
+            "shape": list(info.shape),
+            "crc32": crc,
+        }
+
+    def put_matrix(w: _Writer, m: Matrix) -> None:
+        fmt = target(m)
+        if fmt == "keep":
+            for t in m.tensors:
+                put_raw(w, t)
+            return
+        data, scales = quantize(fmt, source_weight(ckpt, m).dequantize())
+        off, n, crc = w.write(data)
+        entry: dict[str, Any] = {
+            "file": "trunk" if w is writers["trunk"] else "experts",
+            "format": fmt,
+            "rows": m.rows,
+            "cols": m.cols,
+            "offset": off,
+            "nbytes": n,
+            "crc32": crc,
+            "scales": None,
+        }
+        if scales is not None:
+            soff, sn, scrc = w.write(scales)
+            entry["scales"] = {
+                "offset": soff,
+                "nbytes": sn,
+                "dtype": DTYPE_NAMES[scales.dtype],
+                "shape": list(scales.shape),
+                "crc32": scrc,
+            }
+        mats[m.name] = entry
+
+    trunk_items = [(n, None) for n in others] + [(m.name, m) for m in matrices.values() if not is_routed_expert(m.name)]
+    trunk_items.sort(key=lambda it: _group_key(it[0]))
+    expert_items = [m for m in matrices.values() if is_routed_expert(m.name)]
+    expert_items.sort(key=lambda m: (_group_key(m.name), int(_EXPERT.search(m.name).group(1))))  # type: ignore[union-attr]
+    bar = tqdm(
+        total=len(trunk_items) + len(expert_items), desc="pack", unit="tensor", disable=progress is False or None
+    )
+    w = writers["trunk"]
+    group = None
+    for name, m in trunk_items:
+        if _group_key(name) != group:
+            group = _group_key(name)
+            w.align()
+        if m is None:
+            put_raw(w, name)
+        else:
+            put_matrix(w, m)
+        bar.update(1)
+    w = writers["experts"]
+    key = None
+    for m in expert_items:
+        layer = _LAYER.search(m.name)
+        k = f"{layer.group(1) if layer else '?'}.{_EXPERT.search(m.name).group(1)}"  # type: ignore[union-attr]
+        if k != key:
+            if key is not None:
+                blobs[key]["nbytes"] = w.pos - blobs[key]["offset"]
+            w.align()
+            key = k
+            blobs[k] = {"offset": w.pos, "nbytes": 0}
+        put_matrix(w, m)
+        bar.update(1)
+    if key is not None:
+        blobs[key]["nbytes"] = w.pos - blobs[key]["offset"]
+    bar.close()
+    for wr in writers.values():
+        wr.align()
+        wr.close()
+    return {
+        "format": "moestream-packed",
+        "version": VERSION,
+        "experts_format": experts_fmt,
+        "trunk_format": trunk_fmt,
+        "files": {"trunk": "trunk.bin", "experts": "experts.bin"},
+        "tensors": tensors,
+        "matrices": mats,
+        "expert_blobs": blobs,
+    }
+
+
+def verify(path: Path) -> None:
+    """Re-reads every entry of a packed store and checks its CRC32."""
+    store = PackedStore(path)
+    for name, e in store.manifest["tensors"].items():
+        if zlib.crc32(store._bytes(e).tobytes()) != e["crc32"]:
+            raise CheckpointError(f"{path}: {name} does not read back as written")
+    for name, e in store.manifest["matrices"].items():
+        scales = e["scales"]
+        if zlib.crc32(store._bytes(e).tobytes()) != e["crc32"] or (
+            scales and zlib.crc32(store._bytes({**scales, "file": e["file"]}).tobytes()) != scales["crc32"]
+        ):
+            raise CheckpointError(f"{path}: {name} does not read back as written")
+
+
+class PackedStore:
+    """Reads a packed store with the same interface as Checkpoint (has / info / array), plus matrix()
+    for requantized matrices."""
+
+    def __init__(self, path: str | Path, preload: bool = False):
+        self.path = Path(path)
+        self.preload = preload
+        self.manifest: dict[str, Any] = read_json(self.path / MANIFEST, "manifest.json")
+        if self.manifest.get("format") != "moestream-packed" or self.manifest.get("version") != VERSION:
+            raise CheckpointError(f"{self.path}: not a moestream packed store of version {VERSION}")
+        config = read_json(self.path / "config.json", "config.json")
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{self.path}/config.json: corrupt config.json (not a JSON object)")
+        self.config: dict[str, Any] = config
+        self.maps: dict[str, np.ndarray] = {}
+        for key, fname in self.manifest["files"].items():
+            p = self.path / fname
+            size = p.stat().st_size if p.exists() else -1
+            entries = [
+                e for e in (*self.manifest["tensors"].values(), *self.manifest["matrices"].values()) if e["file"] == key
+            ]
+            end = max((e["offset"] + e["nbytes"] for e in entries), default=0)
+            if size < end:
+                raise CheckpointError(f"{p}: truncated ({max(size, 0)} bytes, entries reach {end})")
+            self.maps[key] = MappedFile(p, preload).map if size > 0 else np.zeros(0, np.uint8)
+        self.tensors = {
+            n: TensorInfo(
+                n,
+                e["dtype"],
+                tuple(e["shape"]),
+                self.path / self.manifest["files"][e["file"]],
+                e["offset"],
+                e["nbytes"],
+            )
+            for n, e in self.manifest["tensors"].items()
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(m.size) for m in self.maps.values())
+
+    def _bytes(self, e: dict[str, Any]) -> np.ndarray:
+        return self.maps[e["file"]][e["offset"] : e["offset"] + e["nbytes"]]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors or name in self.manifest["matrices"]
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: missing tensor {name}") from None
+
+    def array(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        info = self.info(name)
+        if shape is not None and tuple(info.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.path}: tensor {name} has shape {list(info.shape)}, the config implies {list(shape)}"
+            )
+        e = self.manifest["tensors"][name]
+        return self._bytes(e).view(DTYPES[info.dtype]).reshape(info.shape)
+
+    def matrix(self, name: str, rows: int, cols: int) -> Weight | None:
+        """The requantized matrix `name` as a Weight, or None if it was kept (then read it by array)."""
+        e = self.manifest["matrices"].get(name)
+        if e is None:
+            return None
+        if (e["rows"], e["cols"]) != (rows, cols):
+            raise CheckpointError(
+                f"{self.path}: matrix {name} is {e['rows']}x{e['cols']}, the config implies {rows}x{cols}"
+            )
+        data = self._bytes(e).reshape(rows, -1)
+        scales = None
+        if e["scales"]:
+            s = e["scales"]
+            scales = self._bytes({**s, "file": e["file"]}).view(DTYPES[s["dtype"]]).reshape(s["shape"])
+        return Weight(data, scales, fmt=e["format"])
+
+
+def is_packed(path: Path) -> bool:
+    return (Path(path) / MANIFEST).exists()

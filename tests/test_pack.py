@@ -1,0 +1,117 @@
+"""`moestream pack`: a packed store runs byte-identically to its checkpoint when formats are kept,
+requantized matrices are exactly the numpy quantizers' output, the layout is aligned as designed, and
+corruption, truncation, a full disk and an existing output are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import moestream
+from moestream.errors import CheckpointError, InputError
+from moestream.formats import packed
+from moestream.formats.checkpoint import Checkpoint
+from moestream.formats.packed import ALIGN, PackedStore, pack, verify
+from moestream.quant import blocks
+from moestream.synth import synth
+
+
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory) -> Path:
+    # experts of width 256 so that every format fits them
+    return synth(
+        "kimi_k3",
+        tmp_path_factory.mktemp("k3") / "m",
+        {"routed_expert_hidden_size": 256, "moe_intermediate_size": 256, "hidden_size": 256},
+        seed=5,
+    )
+
+
+def logits(path: Path, ids: list[int]) -> np.ndarray:
+    return moestream.load(path, threads=2).logits(ids)
+
+
+def test_keep_is_byte_identical(k3, small_case, tmp_path):
+    for src in (k3, small_case.path):
+        dst = pack(src, tmp_path / src.name, progress=False)
+        ids = [3, 1, 4, 1, 5, 9, 2, 6]
+        assert logits(dst, ids).tobytes() == logits(src, ids).tobytes()
+        gen = moestream.load(dst).generate(ids, 6, stop_at_eos=False)
+        assert list(gen) == list(moestream.load(src).generate(ids, 6, stop_at_eos=False))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k", "tq1_0", "int4", "mxfp4"])
+def test_requantized_matrices_are_the_quantizers_output(k3, tmp_path, fmt):
+    dst = pack(k3, tmp_path / fmt, experts=fmt, trunk="q8_0", progress=False)
+    store, src = PackedStore(dst), Checkpoint(k3)
+    matrices, _ = packed.find_matrices(src)
+    n_experts = 0
+    for name, e in store.manifest["matrices"].items():
+        want = e["format"]
+        assert want == (fmt if packed.is_routed_expert(name) else "q8_0")
+        assert not packed.is_router(name)
+        ref_data, ref_scales = packed.quantize(want, packed.source_weight(src, matrices[name]).dequantize())
+        w = store.matrix(name, e["rows"], e["cols"])
+        assert w is not None and w.data.tobytes() == np.ascontiguousarray(ref_data).view(np.uint8).tobytes()
+        if ref_scales is not None:
+            assert w.scales is not None and w.scales.tobytes() == ref_scales.tobytes()
+        n_experts += packed.is_routed_expert(name)
+    assert n_experts == 3 * 16 * 3  # gate, up, down of 16 experts in 3 MoE layers
+    out = logits(dst, [1, 2, 3])
+    assert np.isfinite(out).all()
+
+
+def test_layout_is_aligned_and_experts_are_one_blob(k3, tmp_path):
+    dst = pack(k3, tmp_path / "p", experts="q4_k", progress=False)
+    m = json.loads((dst / "manifest.json").read_text())
+    for key, blob in m["expert_blobs"].items():
+        assert blob["offset"] % ALIGN == 0
+        layer, expert = key.split(".")
+        parts = [(n, e) for n, e in m["matrices"].items() if f"layers.{layer}." in n and f".experts.{expert}." in n]
+        assert sorted(n.rsplit(".", 1)[-1] for n, _ in parts) == ["w1", "w2", "w3"]
+        for _, e in parts:
+            end = e["scales"]["offset"] + e["scales"]["nbytes"] if e["scales"] else e["offset"] + e["nbytes"]
+            assert blob["offset"] <= e["offset"] and end <= blob["offset"] + blob["nbytes"]
+    # every layer's trunk tensors start a 4096-aligned group, in layer order
+    starts: dict[int, int] = {}
+    for n, e in [*m["tensors"].items(), *m["matrices"].items()]:
+        if e["file"] == "trunk" and ".layers." in n:
+            layer = int(n.split(".layers.")[1].split(".")[0])
+            starts[layer] = min(starts.get(layer, 1 << 62), e["offset"])
+    assert all(off % ALIGN == 0 for off in starts.values())
+    assert [starts[i] for i in sorted(starts)] == sorted(starts.values())
+
+
+def test_corruption_and_truncation_are_caught(k3, tmp_path):
+    dst = pack(k3, tmp_path / "p", progress=False)
+    data = bytearray((dst / "trunk.bin").read_bytes())
+    data[ALIGN + 7] ^= 0xFF
+    (dst / "trunk.bin").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not read back"):
+        verify(dst)
+    ex = dst / "experts.bin"
+    ex.write_bytes(ex.read_bytes()[: ex.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        moestream.load(dst)
+
+
+def test_no_room_and_existing_output_are_refused(k3, tmp_path, monkeypatch):
+    dst = tmp_path / "p"
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    with pytest.raises(InputError, match="GB free"):
+        pack(k3, dst, progress=False)
+    assert not dst.exists() and not list(tmp_path.iterdir())
+    monkeypatch.undo()
+    pack(k3, dst, progress=False)
+    with pytest.raises(InputError, match="exists"):
+        pack(k3, dst, progress=False)
+
+
+def test_unknown_format_refused(k3, tmp_path):
+    with pytest.raises(InputError, match="not a format"):
+        pack(k3, tmp_path / "p", experts="q5_k", progress=False)
+    assert "q4_k" in blocks.LAYOUTS
