@@ -10,6 +10,8 @@ SOURCES = [
     "csrc/quant_float_avx2.c",
     "csrc/quant_float_avx512.c",
     "csrc/quant_blocks.c",
+    "csrc/quant_int8.c",
+    "csrc/quant_int8_avx2.c",
 ]
 
 setup(
@@ -17,7 +19,7 @@ setup(
         Extension(
             "moestream._C",
             sources=SOURCES,
-            depends=["csrc/quant.h", "csrc/matmul.h", "csrc/threadpool.h", "csrc/quant_float_simd.h"],
+            depends=["csrc/quant.h", "csrc/quant_int8.h", "csrc/matmul.h", "csrc/threadpool.h", "csrc/quant_float_simd.h"],
             extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-pthread"],
             extra_link_args=["-pthread", "-lm"],
         )

@@ -118,6 +118,13 @@ void ms_lanes_fma_scalar(float lanes[MS_LANES], const float *w, const float *x, 
 void ms_lanes_fma_avx2(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
 void ms_lanes_fma_avx512(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
 void ms_dequant_blocks(const ms_matrix *m, int64_t row, float *out);
+/* Integer dot kernels (quant_int8*.c): the activations are prepared (quantized) by prep_x. */
+void ms_prep_x_q8_0(const float *x, int64_t n, float *xp);
+void ms_prep_x_q8_k(const float *x, int64_t n, float *xp);
+void ms_dot4_q8_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_q8_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out);
 void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
 void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);

@@ -163,14 +163,20 @@ void ms_dot4_mxfp4_scalar(const ms_matrix *m, int64_t row0, int nrows, const flo
      {ms_dot4_blocks_scalar, ms_dot4_blocks_avx2, ms_dot4_blocks_avx512},                    \
      {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks}, {NULL, NULL, NULL}}
 
+/* Integer kernels; the AVX-512 slot uses the AVX2 kernel until a 512-bit one exists. */
+#define INT8_ROW(NAME, BLOCK, BYTES, PREP)                                                   \
+    {#NAME, BLOCK, BYTES,                                                                    \
+     {ms_dot4_##NAME##_scalar, ms_dot4_##NAME##_avx2, ms_dot4_##NAME##_avx2},                \
+     {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks}, {PREP, PREP, PREP}}
+
 const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_F32] = ROW(f32, 1, 4, NULL),
     [MS_BF16] = ROW(bf16, 1, 2, ms_prep_x_bf16_avx2),
     [MS_F16] = ROW(f16, 1, 2, NULL),
     [MS_FP8_E4M3_B128] = ROW(fp8, 1, 1, NULL),
     [MS_MXFP4] = ROW(mxfp4, 32, 16, NULL),
-    [MS_Q8_0] = BLOCK_ROW(q8_0, 32, 34),
-    [MS_Q4_K] = BLOCK_ROW(q4_k, 256, 144),
+    [MS_Q8_0] = INT8_ROW(q8_0, 32, 34, ms_prep_x_q8_0),
+    [MS_Q4_K] = INT8_ROW(q4_k, 256, 144, ms_prep_x_q8_k),
     [MS_Q6_K] = BLOCK_ROW(q6_k, 256, 210),
     [MS_Q3_K] = BLOCK_ROW(q3_k, 256, 110),
     [MS_Q2_K] = BLOCK_ROW(q2_k, 256, 84),

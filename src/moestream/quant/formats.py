@@ -2,8 +2,10 @@
 in csrc/quant_float.c (checked at import), with the numpy dequantizer that defines each format.
 
 Matmul error bound per format, against dequantize-then-multiply in float64 (tests use these):
-  all float formats: the kernels compute the exact dequantized values and accumulate in f32 with a
-  fixed order, so |err| <= 1e-5 * sum_i |w_i x_i| (f32 accumulation error for the sizes we use).
+  formats multiplied in float: the kernels compute the exact dequantized values and accumulate in f32
+  with a fixed order, so |err| <= 1e-5 * sum_i |w_i x_i| (f32 accumulation error for the sizes we use).
+  formats with integer kernels (act_block > 0): the activations are rounded to int8 per act_block
+  (scale amax/127), which adds at most sum over blocks of sum_i |w_i| * amax_block(x) / 254.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Format:
     block: int  # elements per block along a row
     block_bytes: int
     matmul_rel_bound: float  # see the module docstring
+    act_block: int = 0  # > 0: activations are quantized to int8 per this many (integer dot kernels)
 
 
 FORMATS: dict[str, Format] = {
@@ -33,8 +36,8 @@ FORMATS: dict[str, Format] = {
     "fp8": Format("fp8", 3, 1, 1, 1e-5),  # e4m3 with one f32 scale per 128x128 block
     "mxfp4": Format("mxfp4", 4, 32, 16, 1e-5),  # E2M1 nibbles + one E8M0 byte per 32 (compressed-tensors)
     # GGUF block formats (quant/blocks.py), multiplied after an exact in-register dequantization
-    "q8_0": Format("q8_0", 5, 32, 34, 1e-5),
-    "q4_k": Format("q4_k", 6, 256, 144, 1e-5),
+    "q8_0": Format("q8_0", 5, 32, 34, 1e-5, act_block=32),
+    "q4_k": Format("q4_k", 6, 256, 144, 1e-5, act_block=256),
     "q6_k": Format("q6_k", 7, 256, 210, 1e-5),
     "q3_k": Format("q3_k", 8, 256, 110, 1e-5),
     "q2_k": Format("q2_k", 9, 256, 84, 1e-5),

@@ -1,0 +1,112 @@
+/* Integer dot products for q8_0 and q4_k weights: the activations are quantized once per token to int8
+ * blocks (the prep_x hook), each block's integer sum is exact, and the per-block float epilogue is the
+ * same scalar code on every ISA, so all paths give the same bits. Accumulation over a row is in block
+ * order. This file: the activation formats, the scalar kernels and the shared epilogues. */
+#include <math.h>
+#include <string.h>
+
+#include "quant.h"
+#include "quant_int8.h"
+
+static inline float h2f(const uint8_t *p) { return ms_f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* x[0:n] -> n/block blocks of {f32 d; i8 q[block]} (+ i16 sums per 32 for q8_k). */
+static void quantize_run(const float *x, int block, float *d, int8_t *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < block; i++) amax = fmaxf(amax, fabsf(x[i]));
+    if (amax == 0.0f) {
+        *d = 0.0f;
+        memset(q, 0, (size_t)block);
+        return;
+    }
+    float iscale = 127.0f / amax;
+    *d = amax / 127.0f;
+    for (int i = 0; i < block; i++) {
+        long v = lrintf(x[i] * iscale);
+        q[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+    }
+}
+
+void ms_prep_x_q8_0(const float *x, int64_t n, float *xp) {
+    ms_q8_0x *b = (ms_q8_0x *)xp;
+    for (int64_t i = 0; i < n / 32; i++) quantize_run(x + 32 * i, 32, &b[i].d, b[i].q);
+}
+
+void ms_prep_x_q8_k(const float *x, int64_t n, float *xp) {
+    ms_q8_kx *b = (ms_q8_kx *)xp;
+    for (int64_t i = 0; i < n / 256; i++) {
+        quantize_run(x + 256 * i, 256, &b[i].d, b[i].q);
+        for (int j = 0; j < 8; j++) {
+            int s = 0;
+            for (int l = 0; l < 32; l++) s += b[i].q[32 * j + l];
+            b[i].bsums[j] = (int16_t)s;
+        }
+    }
+}
+
+/* ---- q8_0 ------------------------------------------------------------------------------------ */
+
+float ms_q8_0_block_value(const uint8_t *w, const ms_q8_0x *x, int32_t isum) {
+    return (h2f(w) * x->d) * (float)isum;
+}
+
+void ms_dot4_q8_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_0x *x = (const ms_q8_0x *)xp;
+    int64_t nb = m->cols / 32;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += 34) {
+            const int8_t *q = (const int8_t *)(w + 2);
+            int32_t s = 0;
+            for (int l = 0; l < 32; l++) s += (int32_t)q[l] * x[b].q[l];
+            acc += ms_q8_0_block_value(w, &x[b], s);
+        }
+        out[r] = acc;
+    }
+}
+
+/* ---- q4_k ------------------------------------------------------------------------------------ */
+
+void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            sc[j] = s[j] & 63;
+            mn[j] = s[j + 4] & 63;
+        } else {
+            sc[j] = (uint8_t)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+            mn[j] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+        }
+    }
+}
+
+/* sum_j sc_j * isum_j and sum_j m_j * bsum_j are exact integers; the float epilogue is shared. */
+float ms_q4_k_block_value(const uint8_t *w, const ms_q8_kx *x, int32_t sumi_scaled, int32_t sumi_min) {
+    float d = h2f(w), dmin = h2f(w + 2);
+    return (d * x->d) * (float)sumi_scaled - (dmin * x->d) * (float)sumi_min;
+}
+
+void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    int64_t nb = m->cols / 256;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += 144) {
+            uint8_t sc[8], mn[8];
+            ms_q4_k_scales(w + 4, sc, mn);
+            const uint8_t *q = w + 16;
+            int32_t ss = 0, sm = 0;
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *qq = q + 32 * (j / 2);
+                int shift = (j & 1) * 4;
+                int32_t s = 0;
+                for (int l = 0; l < 32; l++) s += (int32_t)((qq[l] >> shift) & 0x0F) * x[b].q[32 * j + l];
+                ss += sc[j] * s;
+                sm += mn[j] * x[b].bsums[j];
+            }
+            acc += ms_q4_k_block_value(w, &x[b], ss, sm);
+        }
+        out[r] = acc;
+    }
+}

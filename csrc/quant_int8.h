@@ -1,0 +1,22 @@
+/* Activation blocks for the integer dot kernels (quant_int8*.c). */
+#ifndef MOESTREAM_QUANT_INT8_H
+#define MOESTREAM_QUANT_INT8_H
+#include <stdint.h>
+
+#include "quant.h"
+
+typedef struct {
+    float d;
+    int8_t q[32];
+} ms_q8_0x; /* 36 bytes per 32 activations */
+
+typedef struct {
+    float d;
+    int8_t q[256];
+    int16_t bsums[8]; /* sums of q per 32 */
+} ms_q8_kx;           /* 276 bytes per 256 activations (<= 4 bytes each, so it fits the prep buffer) */
+
+float ms_q8_0_block_value(const uint8_t *w, const ms_q8_0x *x, int32_t isum);
+void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]);
+float ms_q4_k_block_value(const uint8_t *w, const ms_q8_kx *x, int32_t sumi_scaled, int32_t sumi_min);
+#endif
