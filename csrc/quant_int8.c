@@ -1,7 +1,12 @@
 /* Integer dot products for q8_0 and q4_k weights: the activations are quantized once per token to int8
  * blocks (the prep_x hook), each block's integer sum is exact, and the per-block float epilogue is the
  * same scalar code on every ISA, so all paths give the same bits. Accumulation over a row is in block
- * order. This file: the activation formats, the scalar kernels and the shared epilogues. */
+ * order. This file: the activation formats, the scalar kernels and the shared epilogues.
+ *
+ * Canonical order (what the SIMD kernels reproduce): a row keeps 8 float lanes; for every block, lane L
+ * receives the exact integer sum of the products at positions 4L..4L+3 of each 32-element chunk (the lane
+ * layout of maddubs + madd), converted to float and fused-multiply-added with the block's scale product;
+ * the lanes are reduced as a fixed tree at the end, and a row's minimum terms (q4_k) are summed apart. */
 #include <math.h>
 #include <string.h>
 
@@ -46,8 +51,10 @@ void ms_prep_x_q8_k(const float *x, int64_t n, float *xp) {
 
 /* ---- q8_0 ------------------------------------------------------------------------------------ */
 
-float ms_q8_0_block_value(const uint8_t *w, const ms_q8_0x *x, int32_t isum) {
-    return (h2f(w) * x->d) * (float)isum;
+float ms_lanes8_reduce(const float f[8]) {
+    float a[4] = {f[0] + f[4], f[1] + f[5], f[2] + f[6], f[3] + f[7]};
+    float c0 = a[0] + a[2], c1 = a[1] + a[3];
+    return c0 + c1;
 }
 
 void ms_dot4_q8_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
@@ -55,14 +62,17 @@ void ms_dot4_q8_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
     int64_t nb = m->cols / 32;
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float acc = 0.0f;
+        float f[8] = {0};
         for (int64_t b = 0; b < nb; b++, w += 34) {
             const int8_t *q = (const int8_t *)(w + 2);
-            int32_t s = 0;
-            for (int l = 0; l < 32; l++) s += (int32_t)q[l] * x[b].q[l];
-            acc += ms_q8_0_block_value(w, &x[b], s);
+            float dd = h2f(w) * x[b].d;
+            for (int L = 0; L < 8; L++) {
+                int32_t s = 0;
+                for (int i = 4 * L; i < 4 * L + 4; i++) s += (int32_t)q[i] * x[b].q[i];
+                f[L] = fmaf((float)s, dd, f[L]);
+            }
         }
-        out[r] = acc;
+        out[r] = ms_lanes8_reduce(f);
     }
 }
 
@@ -80,33 +90,28 @@ void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
-/* sum_j sc_j * isum_j and sum_j m_j * bsum_j are exact integers; the float epilogue is shared. */
-float ms_q4_k_block_value(const uint8_t *w, const ms_q8_kx *x, int32_t sumi_scaled, int32_t sumi_min) {
-    float d = h2f(w), dmin = h2f(w + 2);
-    return (d * x->d) * (float)sumi_scaled - (dmin * x->d) * (float)sumi_min;
-}
-
 void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     int64_t nb = m->cols / 256;
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float acc = 0.0f;
+        float f[8] = {0}, fmin = 0.0f;
         for (int64_t b = 0; b < nb; b++, w += 144) {
             uint8_t sc[8], mn[8];
             ms_q4_k_scales(w + 4, sc, mn);
             const uint8_t *q = w + 16;
-            int32_t ss = 0, sm = 0;
+            int32_t lanes[8] = {0}, sm = 0;
             for (int j = 0; j < 8; j++) {
                 const uint8_t *qq = q + 32 * (j / 2);
                 int shift = (j & 1) * 4;
-                int32_t s = 0;
-                for (int l = 0; l < 32; l++) s += (int32_t)((qq[l] >> shift) & 0x0F) * x[b].q[32 * j + l];
-                ss += sc[j] * s;
+                for (int i = 0; i < 32; i++)
+                    lanes[i / 4] += sc[j] * (int32_t)((qq[i] >> shift) & 0x0F) * x[b].q[32 * j + i];
                 sm += mn[j] * x[b].bsums[j];
             }
-            acc += ms_q4_k_block_value(w, &x[b], ss, sm);
+            float dd = h2f(w) * x[b].d, dm = h2f(w + 2) * x[b].d;
+            for (int L = 0; L < 8; L++) f[L] = fmaf((float)lanes[L], dd, f[L]);
+            fmin += dm * (float)sm;
         }
-        out[r] = acc;
+        out[r] = ms_lanes8_reduce(f) - fmin;
     }
 }

@@ -16,7 +16,6 @@ typedef struct {
     int16_t bsums[8]; /* sums of q per 32 */
 } ms_q8_kx;           /* 276 bytes per 256 activations (<= 4 bytes each, so it fits the prep buffer) */
 
-float ms_q8_0_block_value(const uint8_t *w, const ms_q8_0x *x, int32_t isum);
 void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]);
-float ms_q4_k_block_value(const uint8_t *w, const ms_q8_kx *x, int32_t sumi_scaled, int32_t sumi_min);
+float ms_lanes8_reduce(const float f[8]); /* (f0+f4 + f2+f6) + (f1+f5 + f3+f7) */
 #endif

@@ -2,18 +2,20 @@
  * maddubs/madd, then the shared scalar epilogue per block. Also serves the AVX-512 slot for now. */
 #pragma GCC target("avx2,fma,f16c,ssse3")
 #include <immintrin.h>
+#include <string.h>
 
 #include "quant.h"
 #include "quant_int8.h"
 
-static inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
+static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+
+static inline float reduce8(__m256 v) {
+    float f[8];
+    _mm256_storeu_ps(f, v);
+    return ms_lanes8_reduce(f);
 }
 
-/* sum of signed a[i] * b[i] over 32 int8 (|a| <= 128, |b| <= 127: the int16 pair sums do not overflow) */
+/* sum of signed a[i] * b[i] per 4 bytes into 8 int32 lanes (|a| <= 128, |b| <= 127: no int16 overflow) */
 static inline __m256i dot_i8_32(__m256i a, __m256i b) {
     __m256i ua = _mm256_sign_epi8(a, a);
     __m256i sb = _mm256_sign_epi8(b, a);
@@ -25,14 +27,30 @@ void ms_dot4_q8_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     int64_t nb = m->cols / 32;
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float acc = 0.0f;
+        __m256 f = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, w += 34) {
             __m256i qw = _mm256_loadu_si256((const __m256i *)(w + 2));
             __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
-            acc += ms_q8_0_block_value(w, &x[b], hsum_i32(dot_i8_32(qw, qx)));
+            __m256 s = _mm256_cvtepi32_ps(dot_i8_32(qw, qx));
+            f = _mm256_fmadd_ps(s, _mm256_set1_ps(h2f(w) * x[b].d), f);
         }
-        out[r] = acc;
+        out[r] = reduce8(f);
     }
+}
+
+/* The 12 scale bytes of a q4_k block as 8 six-bit scales and 8 six-bit mins, with 32-bit word
+ * operations (the same values as ms_q4_k_scales). */
+static inline void unpack_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    uint32_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;
+    uint32_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    uint32_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    memcpy(sc, &sc_lo, 4);
+    memcpy(sc + 4, &sc_hi, 4);
+    memcpy(mn, &mn_lo, 4);
+    memcpy(mn + 4, &mn_hi, 4);
 }
 
 void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
@@ -41,26 +59,32 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float acc = 0.0f;
+        __m256 f = _mm256_setzero_ps();
+        float fmin = 0.0f;
         for (int64_t b = 0; b < nb; b++, w += 144) {
             uint8_t sc[8], mn[8];
-            ms_q4_k_scales(w + 4, sc, mn);
+            unpack_q4_k_scales(w + 4, sc, mn);
             const uint8_t *q = w + 16;
             const int8_t *qx = x[b].q;
-            __m256i acc_s = _mm256_setzero_si256();
+            __m256i acc = _mm256_setzero_si256();
             for (int k = 0; k < 4; k++) { /* 32 bytes: sub-block 2k in the low nibbles, 2k+1 in the high */
                 __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * k));
                 __m256i lo = _mm256_and_si256(bytes, low4);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
                 __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(qx + 64 * k)));
                 __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(qx + 64 * k + 32)));
-                acc_s = _mm256_add_epi32(acc_s, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sc[2 * k])));
-                acc_s = _mm256_add_epi32(acc_s, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sc[2 * k + 1])));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sc[2 * k])));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sc[2 * k + 1])));
             }
-            int32_t sm = 0;
-            for (int j = 0; j < 8; j++) sm += mn[j] * x[b].bsums[j];
-            acc += ms_q4_k_block_value(w, &x[b], hsum_i32(acc_s), sm);
+            __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+            __m128i ms = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x[b].bsums));
+            ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
+            ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
+            int32_t sm = _mm_cvtsi128_si32(ms);
+            float dd = h2f(w) * x[b].d, dm = h2f(w + 2) * x[b].d;
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dd), f);
+            fmin += dm * (float)sm;
         }
-        out[r] = acc;
+        out[r] = reduce8(f) - fmin;
     }
 }
