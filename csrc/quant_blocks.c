@@ -181,31 +181,6 @@ void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out) {
     deq_int4_run(m->data + row * m->row_bytes, ms_int4_scale_row(m, row), m->cols, out);
 }
 
-static void dot4_int4(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out, ms_lanes_fma_fn fma) {
-    float buf[BUF];
-    for (int r = 0; r < nrows; r++) {
-        float lanes[MS_LANES] = {0};
-        const uint8_t *p = m->data + (row0 + r) * m->row_bytes;
-        const float *s = ms_int4_scale_row(m, row0 + r);
-        for (int64_t c = 0; c < m->cols; c += BUF) {
-            int64_t n = m->cols - c < BUF ? m->cols - c : BUF;
-            deq_int4_run(p + c / 2, s + c / 32, n, buf);
-            fma(lanes, buf, x + c, n);
-        }
-        out[r] = ms_lanes_reduce(lanes);
-    }
-}
-
-void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
-    dot4_int4(m, row0, nrows, x, out, ms_lanes_fma_scalar);
-}
-void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
-    dot4_int4(m, row0, nrows, x, out, ms_lanes_fma_avx2);
-}
-void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
-    dot4_int4(m, row0, nrows, x, out, ms_lanes_fma_avx512);
-}
-
 /* Scalar canonical accumulation of n floats (n a multiple of 16 except at a row's end). */
 void ms_lanes_fma_scalar(float lanes[MS_LANES], const float *w, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) lanes[i & (MS_LANES - 1)] = fmaf(w[i], x[i], lanes[i & (MS_LANES - 1)]);

@@ -115,3 +115,24 @@ void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
         out[r] = ms_lanes8_reduce(f) - fmin;
     }
 }
+
+/* ---- compressed-tensors int4 (value = nibble - 8, one f32 scale per 32) -------------------------- */
+
+void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_0x *x = (const ms_q8_0x *)xp;
+    int64_t nb = m->cols / 32;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        const float *s = ms_int4_scale_row(m, row0 + r);
+        float f[8] = {0};
+        for (int64_t b = 0; b < nb; b++, w += 16) {
+            float dd = s[b] * x[b].d;
+            for (int L = 0; L < 8; L++) {
+                int32_t acc = 0;
+                for (int i = 4 * L; i < 4 * L + 4; i++) acc += (((w[i / 2] >> ((i & 1) * 4)) & 0x0F) - 8) * x[b].q[i];
+                f[L] = fmaf((float)acc, dd, f[L]);
+            }
+        }
+        out[r] = ms_lanes8_reduce(f);
+    }
+}

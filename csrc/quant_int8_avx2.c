@@ -88,3 +88,24 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
         out[r] = reduce8(f) - fmin;
     }
 }
+
+void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_0x *x = (const ms_q8_0x *)xp;
+    int64_t nb = m->cols / 32;
+    const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        const float *s = ms_int4_scale_row(m, row0 + r);
+        __m256 f = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++, w += 16) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)w);
+            __m128i lo = _mm_sub_epi8(_mm_and_si128(bytes, low4), eight);
+            __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), eight);
+            __m256i qw = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)); /* elements 0..31 */
+            __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
+            __m256 sum = _mm256_cvtepi32_ps(dot_i8_32(qw, qx));
+            f = _mm256_fmadd_ps(sum, _mm256_set1_ps(s[b] * x[b].d), f);
+        }
+        out[r] = reduce8(f);
+    }
+}

@@ -44,7 +44,7 @@ FORMATS: dict[str, Format] = {
     "tq2_0": Format("tq2_0", 10, 256, 66, 1e-5),
     "tq1_0": Format("tq1_0", 11, 256, 54, 1e-5),
     # compressed-tensors pack-quantized int4 (Kimi K2 Thinking experts): nibble - 8, f32 scale per 32
-    "int4": Format("int4", 12, 32, 16, 1e-5),
+    "int4": Format("int4", 12, 32, 16, 1e-5, act_block=32),
 }
 
 # Nibble 8 (negative zero) decodes as +0.0 on every path, so that dequantization is bit-exact everywhere.
