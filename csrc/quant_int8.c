@@ -136,3 +136,29 @@ void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
         out[r] = ms_lanes8_reduce(f);
     }
 }
+
+/* ---- q6_k (16 sub-blocks of 16 with int8 scales; values in -32..31) ----------------------------- */
+
+static inline int q6_value(const uint8_t *b, int e) {
+    int h = e / 128, k = (e % 128) / 32, i = e % 32;
+    const uint8_t *ql = b + 64 * h + 32 * (k & 1), *qh = b + 128 + 32 * h;
+    int lo = (k < 2) ? (ql[i] & 0x0F) : (ql[i] >> 4);
+    return (lo | (((qh[i] >> (2 * k)) & 3) << 4)) - 32;
+}
+
+void ms_dot4_q6_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    int64_t nb = m->cols / 256;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float f[8] = {0};
+        for (int64_t b = 0; b < nb; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            int32_t lanes[8] = {0};
+            for (int e = 0; e < 256; e++) lanes[(e % 32) / 4] += sc[e / 16] * q6_value(w, e) * x[b].q[e];
+            float dd = h2f(w + 208) * x[b].d;
+            for (int L = 0; L < 8; L++) f[L] = fmaf((float)lanes[L], dd, f[L]);
+        }
+        out[r] = ms_lanes8_reduce(f);
+    }
+}

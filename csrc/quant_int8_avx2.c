@@ -109,3 +109,41 @@ void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
         out[r] = reduce8(f);
     }
 }
+
+void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    int64_t nb = m->cols / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        __m256 f = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++, w += 210) {
+            const int8_t *sc = (const int8_t *)(w + 192);
+            const int8_t *qx = x[b].q;
+            __m256i acc = _mm256_setzero_si256();
+            for (int h = 0; h < 2; h++) {
+                __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+                __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+                q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+                for (int k = 0; k < 4; k++) {
+                    __m256i v = _mm256_sub_epi8(q[k], k32);
+                    __m256i xx = _mm256_loadu_si256((const __m256i *)(qx + 128 * h + 32 * k));
+                    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xx, v));
+                    int g = 8 * h + 2 * k;
+                    __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s16));
+                }
+            }
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(h2f(w + 208) * x[b].d), f);
+        }
+        out[r] = reduce8(f);
+    }
+}
