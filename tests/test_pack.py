@@ -115,3 +115,36 @@ def test_unknown_format_refused(k3, tmp_path):
     with pytest.raises(InputError, match="not a format"):
         pack(k3, tmp_path / "p", experts="q5_k", progress=False)
     assert "q4_k" in blocks.LAYOUTS
+
+
+def test_report(k3, tmp_path):
+    import subprocess
+    import sys
+
+    def run(*extra: str) -> str:
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moestream.cli",
+                "pack",
+                str(k3),
+                str(tmp_path / "r"),
+                "--force",
+                "--report",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    kept = run()
+    assert "KL(source || packed) over" in kept and "mean 0.00000, max 0.00000" in kept
+    q = run("--trunk", "q8_0", "--experts", "q4_k")
+    rows = {line.split()[0]: line.split() for line in q.splitlines() if line.startswith(("attention", "routed"))}
+    assert rows["attention"][1] == "q8_0" and 0.001 < float(rows["attention"][2]) < 0.01
+    assert rows["routed"][2] == "q4_k" and 0.01 < float(rows["routed"][3]) < 0.2
+    mean_kl = float(q.split("mean ")[1].split(",")[0])
+    assert mean_kl > 0

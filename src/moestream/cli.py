@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--experts", default="keep", choices=PACK_FORMATS, help="format of routed experts")
     k.add_argument("--trunk", default="keep", choices=PACK_FORMATS, help="format of the other matrices")
     k.add_argument("--force", action="store_true", help="replace DST if it exists")
+    k.add_argument(
+        "--report",
+        action="store_true",
+        help="print the relative RMS weight error per tensor class and the KL divergence of the output "
+        "distribution against the source on a sample prompt",
+    )
 
     s = sub.add_parser(
         "synth",
@@ -261,10 +267,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from .formats.packed import pack
+    from .formats.packed import Report, pack
 
-    out = pack(args.src, args.dst, experts=args.experts, trunk=args.trunk, force=args.force)
+    report = Report({}, {}, {}) if args.report else None
+    out = pack(args.src, args.dst, experts=args.experts, trunk=args.trunk, force=args.force, report=report)
     print(out)
+    if report is not None:
+        from .generate import load
+        from .quality import kl_divergence, sample_ids
+
+        src, packed = load(args.src), load(out)
+        ids = sample_ids(src)
+        kl = kl_divergence(src.logits(ids), packed.logits(ids))
+        print(f"{'tensor class':<22} {'format':<12} relative RMS error")
+        for cls, fmt, err in report.rows():
+            print(f"{cls:<22} {fmt:<12} {err:.4f}")
+        print(f"KL(source || packed) over {len(ids)} positions: mean {kl.mean():.5f}, max {kl.max():.5f} nats")
     return 0
 
 

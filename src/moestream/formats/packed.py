@@ -12,6 +12,7 @@ checkpoint format); vectors (norms, biases, convolutions) are always kept as the
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -163,6 +164,39 @@ class _Writer:
         self.f.close()
 
 
+def tensor_class(name: str) -> str:
+    if is_router(name):
+        return "router"
+    if is_routed_expert(name):
+        return "routed experts"
+    if "shared_expert" in name:
+        return "shared experts"
+    if "self_attn" in name:
+        return "attention"
+    if "embed" in name:
+        return "embedding"
+    if "lm_head" in name:
+        return "lm_head"
+    if ".mlp." in name or "block_sparse_moe" in name:
+        return "dense / latent MLP"
+    return "other"
+
+
+@dataclass
+class Report:
+    """Quantization error of a pack: per tensor class, sum of squared errors and of squares."""
+
+    sq_err: dict[str, float]
+    sq: dict[str, float]
+    formats: dict[str, set[str]]
+
+    def rows(self) -> list[tuple[str, str, float]]:
+        return [
+            (c, ",".join(sorted(self.formats[c])), math.sqrt(self.sq_err[c] / self.sq[c]) if self.sq[c] else 0.0)
+            for c in sorted(self.sq)
+        ]
+
+
 def pack(
     src: Path,
     dst: Path,
@@ -170,6 +204,7 @@ def pack(
     trunk: str = "keep",
     force: bool = False,
     progress: bool | None = None,
+    report: Report | None = None,
 ) -> Path:
     for what, fmt in (("--experts", experts), ("--trunk", trunk)):
         if fmt not in PACK_FORMATS:
@@ -203,7 +238,7 @@ def pack(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
-        manifest = _write(ckpt, tmp, matrices, others, target, progress, experts, trunk)
+        manifest = _write(ckpt, tmp, matrices, others, target, progress, experts, trunk, report)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         shutil.copy(src / "config.json", tmp / "config.json")
         for f in [*TOKENIZER_FILES, *(p.name for p in Path(src).glob("tokenization_*.py"))]:
@@ -228,6 +263,7 @@ def _write(
     progress: bool | None,
     experts_fmt: str,
     trunk_fmt: str,
+    report: Report | None = None,
 ) -> dict[str, Any]:
     writers = {"trunk": _Writer(tmp / "trunk.bin"), "experts": _Writer(tmp / "experts.bin")}
     tensors: dict[str, Any] = {}
@@ -248,11 +284,21 @@ def _write(
 
     def put_matrix(w: _Writer, m: Matrix) -> None:
         fmt = target(m)
+        cls = tensor_class(m.name)
+        if report is not None:
+            report.formats.setdefault(cls, set()).add(fmt)
+            report.sq_err.setdefault(cls, 0.0)
+            report.sq.setdefault(cls, 0.0)
         if fmt == "keep":
             for t in m.tensors:
                 put_raw(w, t)
             return
-        data, scales = quantize(fmt, source_weight(ckpt, m).dequantize())
+        original = source_weight(ckpt, m).dequantize()
+        data, scales = quantize(fmt, original)
+        if report is not None:
+            back = Weight(np.ascontiguousarray(data).reshape(m.rows, -1), scales, fmt=fmt).reference()
+            report.sq_err[cls] += float(np.sum((back.astype(np.float64) - original) ** 2))
+            report.sq[cls] += float(np.sum(original.astype(np.float64) ** 2))
         off, n, crc = w.write(data)
         entry: dict[str, Any] = {
             "file": "trunk" if w is writers["trunk"] else "experts",
