@@ -1,9 +1,16 @@
-"""Prefill and decode tokens/s on a synthetic Qwen3-30B-A3B-width qwen3_moe (4 layers, bf16) beside
-transformers on the same checkpoint, and the GB/s the matvec kernels reach beside a plain memory read.
+"""Prefill and decode tokens/s on a synthetic Qwen3-30B-A3B-width qwen3_moe beside transformers (bf16,
+the same checkpoint), and the GB/s the matvec kernels reach beside a plain memory read.
 
     python3 benchmarks/decode.py [--threads 2] [--layers 4] [--prompt 128] [--gen 16] [--dir PATH]
 
-The checkpoint (about 5 GB) is written once to --dir (default: /tmp/moestream-bench/qwen3-30b-a3b-L4).
+With --llama-cpp SRC (the llama.cpp source tree inside the llama-cpp-python sdist, which carries
+convert_hf_to_gguf.py; llama-cpp-python itself built from source), the checkpoint is also converted and
+quantized to Q4_K_M, packed by moestream with q4_k experts and trunk, and both engines decode it side by
+side (--skip-transformers for the 8-layer model of the formats issue, which does not fit as a torch model):
+
+    python3 benchmarks/decode.py --layers 8 --skip-transformers --llama-cpp /tmp/llsrc/.../vendor/llama.cpp
+
+The checkpoint (about 5 GB at 4 layers) is written once to --dir (default /tmp/moestream-bench/...).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moestream
 from common import best_time, commit, machine, table
 from moestream import _C
+from moestream.formats.packed import pack
 from moestream.synth import synth
 
 QWEN3_30B_A3B = dict(
@@ -76,6 +84,63 @@ class Transformers:
         return len(prompt) / prefill, (gen - 1) / max(total - prefill, 1e-9), ids
 
 
+CONVERT = """
+import sys
+sys.path[:0] = [{src!r}, {src!r} + "/gguf-py"]
+import conversion.base as base
+# the synthetic checkpoint's byte-level tokenizer is unknown to the converter's hash table: GPT-2 style
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+import convert_hf_to_gguf as c
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", "bf16", "--outfile", {out!r}]
+c.main()
+"""
+
+
+def llama_cpp_gguf(src: Path, model: Path) -> Path:
+    """model converted with llama.cpp's own converter (bf16) and quantized with its quantizer (Q4_K_M)."""
+    import subprocess
+
+    import llama_cpp
+
+    bf16, q4 = model / "ggml-bf16.gguf", model / "ggml-q4_k_m.gguf"
+    if not q4.exists():
+        if not bf16.exists():
+            code = CONVERT.format(src=str(src), model=str(model), out=str(bf16))
+            subprocess.run([sys.executable, "-c", code], check=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        params.nthread = 2
+        if llama_cpp.llama_model_quantize(str(bf16).encode(), str(q4).encode(), params) != 0:
+            raise SystemExit("llama_model_quantize failed")
+        bf16.unlink()
+    return q4
+
+
+class LlamaCpp:
+    def __init__(self, gguf: Path, threads: int):
+        import llama_cpp
+
+        t0 = time.perf_counter()
+        self.llm = llama_cpp.Llama(
+            str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512, verbose=False
+        )
+        self.load_seconds = time.perf_counter() - t0
+
+    def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int]]:
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill = time.perf_counter() - t0
+        ids = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        t0 = time.perf_counter()
+        for _ in range(gen - 1):
+            llm.eval([ids[-1]])
+            ids.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        decode = time.perf_counter() - t0
+        return len(prompt) / prefill, (gen - 1) / decode, ids
+
+
 def kernel_bandwidth(threads: int) -> list[list[object]]:
     rng = np.random.default_rng(0)
     rows = []
@@ -116,6 +181,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp source tree (convert_hf_to_gguf.py)")
+    ap.add_argument("--skip-kernels", action="store_true")
     args = ap.parse_args()
     path = args.dir or Path(f"/tmp/moestream-bench/qwen3-30b-a3b-L{args.layers}")
     if not (path / "config.json").exists():
@@ -127,9 +194,16 @@ def main() -> None:
     print(f"model: qwen3_moe Qwen3-30B-A3B width, {args.layers} layers, bf16, {path}")
     print(f"prompt {args.prompt} tokens, generate {args.gen}, threads {args.threads}, best of {args.rounds} rounds")
     print("(the engines run in turn, round after round, so that both see the same machine noise)\n")
-    engines: dict[str, Ours | Transformers] = {"moestream": Ours(path, args.threads)}
+    engines: dict[str, Ours | Transformers | LlamaCpp] = {}
     if not args.skip_transformers:
+        engines["moestream (bf16)"] = Ours(path, args.threads)
         engines["transformers (bf16)"] = Transformers(path, args.threads)
+    if args.llama_cpp is not None:
+        packed = path.with_name(path.name + "-q4_k")
+        if not (packed / "manifest.json").exists():
+            pack(path, packed, experts="q4_k", trunk="q4_k", progress=False)
+        engines["moestream (q4_k pack)"] = Ours(packed, args.threads)
+        engines["llama.cpp (Q4_K_M)"] = LlamaCpp(llama_cpp_gguf(args.llama_cpp, path), args.threads)
     best: dict[str, list[float]] = {name: [0.0, 0.0] for name in engines}
     ids: dict[str, list[int]] = {}
     for engine in engines.values():
@@ -139,15 +213,18 @@ def main() -> None:
             p, d, ids[name] = engine.run(prompt, args.gen)
             best[name] = [max(best[name][0], p), max(best[name][1], d)]
     rows: list[list[object]] = [[name, *best[name], f"{engines[name].load_seconds:.1f}"] for name in engines]
-    if len(engines) == 2:
-        (a, pa), (b, pb) = best.items()
-        rows.append(["ratio moestream / transformers", pa[0] / pb[0], pa[1] / pb[1], ""])
-        same = sum(x == y for x, y in zip(ids[a], ids[b], strict=False))
-        print(f"(greedy ids agree on the first {same}/{args.gen} tokens; transformers computes in bf16)")
+    for ours_name, peer in (
+        ("moestream (bf16)", "transformers (bf16)"),
+        ("moestream (q4_k pack)", "llama.cpp (Q4_K_M)"),
+    ):
+        if ours_name in best and peer in best:
+            pa, pb = best[ours_name], best[peer]
+            rows.append([f"ratio {ours_name} / {peer}", pa[0] / pb[0], pa[1] / pb[1], ""])
     print(table(["engine", "prefill tok/s", "decode tok/s", "load s"], rows))
     print()
     del engines  # free their memory before the kernel measurements
-    print(table(["kernel", "GB/s", "of memory read"], kernel_bandwidth(args.threads)))
+    if not args.skip_kernels:
+        print(table(["kernel", "GB/s", "of memory read"], kernel_bandwidth(args.threads)))
 
 
 if __name__ == "__main__":
