@@ -90,3 +90,13 @@ def test_k3_full_widths_with_fewer_layers():
     assert spec.layer_types == ("kda", "kda", "kda", "mla", "kda", "mla")  # every fourth and the last
     full = models.read_spec(make_config("kimi_k3", k3_full({}), "bf16")[0])
     assert full.layer_types.count("mla") == 24 and full.layer_types[92] == "mla"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "kimi_linear", "kimi_k3"])
+def test_synth_configs_name_their_architecture(arch):
+    """Real configs carry `architectures` (llama.cpp's converter dispatches on it)."""
+    from moestream.synth import make_config
+
+    config, _ = make_config(arch, {}, "bf16")
+    assert config["architectures"][0].endswith(("ForCausalLM", "ForConditionalGeneration"))
+    models.read_spec(config)

@@ -289,32 +289,35 @@ def _random(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     return (std * rng.standard_normal(shape, np.float32)).astype(np.float32)
 
 
+# A few merges so the tokenizer is a real BPE (llama.cpp refuses a GGUF vocabulary without merges).
+MERGES = [("Ġ", "t"), ("t", "h"), ("h", "e"), ("i", "n"), ("e", "r"), ("a", "n"), ("Ġ", "a"), ("o", "n")]
+
+
 def _byte_level_tokenizer(vocab_size: int) -> tuple[dict[str, Any], dict[str, Any], int, int]:
-    """A byte-level BPE tokenizer.json with the 256 byte tokens and two specials (no merges)."""
+    """A byte-level BPE tokenizer.json: the 256 byte tokens, two specials (ids 256, 257), a few merges."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers import models as tmodels
     from tokenizers.pre_tokenizers import ByteLevel
 
-    if vocab_size < N_BYTE_TOKENS + len(SPECIALS):
-        raise ConfigError(f"synth: vocab_size must be at least {N_BYTE_TOKENS + len(SPECIALS)} for the tokenizer")
-    alphabet = ByteLevel.alphabet()
+    n = N_BYTE_TOKENS + len(SPECIALS) + len(MERGES)
+    if vocab_size < n:
+        raise ConfigError(f"synth: vocab_size must be at least {n} for the tokenizer")
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in printable]
 
-    # GPT-2 byte order: printable bytes map to themselves, the rest to 256+n; sort by the byte they encode.
-    def byte_of(ch: str) -> int:
+    def byte_of(ch: str) -> int:  # GPT-2's byte <-> printable character map
         o = ord(ch)
-        printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-        if o in printable:
-            return o
-        rest = [b for b in range(256) if b not in printable]
-        return rest[o - 256]
+        return o if o in printable else rest[o - 256]
 
-    vocab = {ch: byte_of(ch) for ch in alphabet}
-    tok = Tokenizer(tmodels.BPE(vocab=vocab, merges=[]))
+    vocab = {ch: byte_of(ch) for ch in ByteLevel.alphabet()}
+    vocab.update({sp: N_BYTE_TOKENS + i for i, sp in enumerate(SPECIALS)})
+    vocab.update({a + b: N_BYTE_TOKENS + len(SPECIALS) + i for i, (a, b) in enumerate(MERGES)})
+    tok = Tokenizer(tmodels.BPE(vocab=vocab, merges=MERGES))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    assert bos is not None and eos is not None
+    bos, eos = N_BYTE_TOKENS, N_BYTE_TOKENS + 1
+    assert (tok.token_to_id("<s>"), tok.token_to_id("</s>")) == (bos, eos)
     cfg: dict[str, Any] = {
         "add_bos_token": True,
         "bos_token": "<s>",
@@ -326,6 +329,12 @@ def _byte_level_tokenizer(vocab_size: int) -> tuple[dict[str, Any], dict[str, An
     return json.loads(tok.to_str()), cfg, bos, eos
 
 
+ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+}
 TOP_LEVEL_K3 = {"bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "quantization_config"}
 
 
@@ -333,7 +342,8 @@ def make_config(arch: str, overrides: dict[str, Any], dtype: str) -> tuple[dict[
     """config.json and the tokenizer files for a synthetic checkpoint of arch."""
     torch_dtype = {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}[dtype]
     if arch != "kimi_k3":
-        config: dict[str, Any] = {"model_type": arch, **DEFAULTS[arch], **overrides}
+        config: dict[str, Any] = {"model_type": arch, "architectures": [ARCHITECTURES[arch]], **DEFAULTS[arch]}
+        config.update(overrides)
         tok_json, tok_cfg, bos, eos = _byte_level_tokenizer(int(config["vocab_size"]))
         config.setdefault("bos_token_id", bos)
         config.setdefault("eos_token_id", eos)
