@@ -24,7 +24,29 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointError(f"{path}: corrupt {what} ({e})") from None
 
 
-class Checkpoint:
+class TensorStore:
+    """Named tensors with shapes, looked up with errors that name the store and the tensor."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: missing tensor {name}") from None
+
+    def checked(self, name: str, shape: tuple[int, ...] | None) -> TensorInfo:
+        """info(name), refusing a shape other than the one the config implies."""
+        info = self.info(name)
+        if shape is not None and tuple(info.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.path}: tensor {name} has shape {list(info.shape)}, the config implies {list(shape)}"
+            )
+        return info
+
+
+class Checkpoint(TensorStore):
     def __init__(self, path: str | Path, preload: bool = False):
         self.path = Path(path)
         self.preload = preload
@@ -75,19 +97,9 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def info(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise CheckpointError(f"{self.path}: missing tensor {name}") from None
-
     def array(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor as a read-only memory-mapped array; with shape, the shape is checked."""
-        info = self.info(name)
-        if shape is not None and tuple(info.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{self.path}: tensor {name} has shape {list(info.shape)}, the config implies {list(shape)}"
-            )
+        info = self.checked(name, shape)
         mf = self._maps.get(info.path)
         if mf is None:
             mf = self._maps[info.path] = MappedFile(info.path, self.preload)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from ..errors import CheckpointError, InputError
 from ..quant import FORMATS, Weight, blocks
 from ..quant.formats import quantize_int4_reference, quantize_mxfp4_reference
-from .checkpoint import Checkpoint, read_json
+from .checkpoint import Checkpoint, TensorStore, read_json
 from .safetensors import DTYPE_NAMES, DTYPES, MappedFile, TensorInfo
 
 MANIFEST = "manifest.json"
@@ -384,7 +384,7 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"{path}: {name} does not read back as written")
 
 
-class PackedStore:
+class PackedStore(TensorStore):
     """Reads a packed store with the same interface as Checkpoint (has / info / array), plus matrix()
     for requantized matrices."""
 
@@ -431,18 +431,8 @@ class PackedStore:
     def has(self, name: str) -> bool:
         return name in self.tensors or name in self.manifest["matrices"]
 
-    def info(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise CheckpointError(f"{self.path}: missing tensor {name}") from None
-
     def array(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        info = self.info(name)
-        if shape is not None and tuple(info.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{self.path}: tensor {name} has shape {list(info.shape)}, the config implies {list(shape)}"
-            )
+        info = self.checked(name, shape)
         e = self.manifest["tensors"][name]
         return self._bytes(e).view(DTYPES[info.dtype]).reshape(info.shape)
 
