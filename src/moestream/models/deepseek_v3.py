@@ -11,7 +11,7 @@ from typing import Any
 from ..config import Keys, ModelSpec, RopeSpec, check_experts, check_heads, read_common, read_rope
 from ..errors import ConfigError
 from ..formats.checkpoint import Checkpoint
-from .base import Decoder, DenseMLP, Linear, MLAttention, MoE, Rope, SigmoidGroupRouter
+from .base import Decoder, DenseMLP, MoE, Rope, SigmoidGroupRouter
 from .loading import Tensors
 
 # q_a_layernorm and kv_a_layernorm are built with the RMSNorm default eps in the reference, not
@@ -117,40 +117,11 @@ def build(ckpt: Checkpoint, s: DeepseekV3Spec) -> Decoder:
     assert s.rope is not None
     rope = Rope(s.rope)
 
-    def lin(name: str, rows: int, cols: int, bias: bool = False) -> Linear:
-        b = t.vector(f"{name}.bias", rows) if bias else None
-        return Linear(t.weight(f"{name}.weight", rows, cols), b)
-
     blocks = []
     for i in range(s.num_hidden_layers):
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
-        if s.q_lora_rank is None:
-            q_proj, q_a, q_a_norm, q_b = lin(f"{a}.q_proj", H * (N + R), E), None, None, None
-        else:
-            Q = s.q_lora_rank
-            q_proj = None
-            q_a = lin(f"{a}.q_a_proj", Q, E, s.attention_bias)
-            q_a_norm = t.vector(f"{a}.q_a_layernorm.weight", Q)
-            q_b = lin(f"{a}.q_b_proj", H * (N + R), Q)
-        attn = MLAttention(
-            q_proj=q_proj,
-            q_a_proj=q_a,
-            q_a_norm=q_a_norm,
-            q_b_proj=q_b,
-            kv_a_proj=lin(f"{a}.kv_a_proj_with_mqa", C + R, E, s.attention_bias),
-            kv_a_norm=t.vector(f"{a}.kv_a_layernorm.weight", C),
-            kv_b_proj=lin(f"{a}.kv_b_proj", H * (N + V), C),
-            o_proj=lin(f"{a}.o_proj", E, H * V, s.attention_bias),
-            heads=H,
-            nope_dim=N,
-            rope_dim=R,
-            v_dim=V,
-            kv_lora_rank=C,
-            rope=rope,
-            scaling=s.softmax_scale,
-            norm_eps=LATENT_NORM_EPS,
-        )
+        attn = t.mla(a, E, H, N, R, V, C, s.q_lora_rank, rope, s.softmax_scale, LATENT_NORM_EPS, bias=s.attention_bias)
         m = f"{p}.mlp"
         ffn: DenseMLP | MoE
         if i < s.first_k_dense_replace:

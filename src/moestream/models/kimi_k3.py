@@ -21,7 +21,6 @@ from .base import (
     Expert,
     Glu,
     Linear,
-    MLAttention,
     SigmoidGroupRouter,
     State,
     mix_experts,
@@ -302,25 +301,7 @@ def build(ckpt: Checkpoint, s: KimiK3Spec) -> K3Decoder:
             gate = lin(f"{a}.g_proj", P, E)
             attn = kda_attention(t, a, E, LH, LD, s.conv_kernel, eps, gate, a_log, s.gate_lower_bound)
         else:
-            attn = MLAttention(
-                q_proj=None,
-                q_a_proj=lin(f"{a}.q_a_proj", Q, E),
-                q_a_norm=t.vector(f"{a}.q_a_layernorm.weight", Q),
-                q_b_proj=lin(f"{a}.q_b_proj", H * (N + R), Q),
-                kv_a_proj=lin(f"{a}.kv_a_proj_with_mqa", C + R, E),
-                kv_a_norm=t.vector(f"{a}.kv_a_layernorm.weight", C),
-                kv_b_proj=lin(f"{a}.kv_b_proj", H * (N + V), C),
-                o_proj=lin(f"{a}.o_proj", E, H * V),
-                heads=H,
-                nope_dim=N,
-                rope_dim=R,
-                v_dim=V,
-                kv_lora_rank=C,
-                rope=None,
-                scaling=(N + R) ** -0.5,
-                norm_eps=eps,
-                out_gate=lin(f"{a}.g_proj", H * V, E) if s.mla_use_output_gate else None,
-            )
+            attn = t.mla(a, E, H, N, R, V, C, Q, None, (N + R) ** -0.5, eps, out_gate=s.mla_use_output_gate)
         moe = f"{p}.block_sparse_moe"
         ffn: DenseMLP | LatentMoE
         if i < s.first_k_dense_replace:

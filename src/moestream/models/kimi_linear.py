@@ -217,25 +217,8 @@ def build(ckpt: Checkpoint, s: KimiLinearSpec) -> Decoder:
             gate = LowRankGate(lin(f"{a}.g_a_proj", LD, E), lin(f"{a}.g_b_proj", P, LD))
             attn = kda_attention(t, a, E, LH, LD, s.conv_kernel, s.rms_norm_eps, gate, per_head(t, f"{a}.A_log", LH))
         else:
-            Q = s.q_lora_rank
-            attn = MLAttention(
-                q_proj=lin(f"{a}.q_proj", H * (N + R), E) if Q is None else None,
-                q_a_proj=lin(f"{a}.q_a_proj", Q, E) if Q is not None else None,
-                q_a_norm=t.vector(f"{a}.q_a_layernorm.weight", Q) if Q is not None else None,
-                q_b_proj=lin(f"{a}.q_b_proj", H * (N + R), Q) if Q is not None else None,
-                kv_a_proj=lin(f"{a}.kv_a_proj_with_mqa", C + R, E),
-                kv_a_norm=t.vector(f"{a}.kv_a_layernorm.weight", C),
-                kv_b_proj=lin(f"{a}.kv_b_proj", H * (N + V), C),
-                o_proj=lin(f"{a}.o_proj", E, H * V),
-                heads=H,
-                nope_dim=N,
-                rope_dim=R,
-                v_dim=V,
-                kv_lora_rank=C,
-                rope=None,  # NoPE: the k_r part is shared by all heads but never rotated
-                scaling=(N + R) ** -0.5,
-                norm_eps=LATENT_NORM_EPS,
-            )
+            # NoPE: the k_r part is shared by all heads but never rotated
+            attn = t.mla(a, E, H, N, R, V, C, s.q_lora_rank, None, (N + R) ** -0.5, LATENT_NORM_EPS)
         # Released checkpoints: mlp.* for dense layers, block_sparse_moe.* for MoE; transformers
         # saves both as block_sparse_moe.*.
         moe = f"{p}.block_sparse_moe"

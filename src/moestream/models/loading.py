@@ -9,7 +9,7 @@ from ..errors import CheckpointError
 from ..formats.checkpoint import Checkpoint
 from ..quant import Weight
 from ..quant.formats import fp8_scale_shape
-from .base import FFN, Attention, Block, Decoder, DenseMLP, Expert
+from .base import FFN, Attention, Block, Decoder, DenseMLP, Expert, Linear, MLAttention, Rope
 
 
 class Tensors:
@@ -142,3 +142,48 @@ class Tensors:
         embed = self.weight("model.embed_tokens.weight", V, E)
         head = embed if spec.tie_word_embeddings else self.weight("lm_head.weight", V, E)
         return Decoder(embed, blocks, self.vector("model.norm.weight", E), head, spec.rms_norm_eps, V)
+
+    def mla(
+        self,
+        a: str,
+        E: int,
+        H: int,
+        nope: int,
+        rope_dim: int,
+        v_dim: int,
+        kv_lora_rank: int,
+        q_lora_rank: int | None,
+        rope: Rope | None,
+        scaling: float,
+        norm_eps: float,
+        bias: bool = False,
+        out_gate: bool = False,
+    ) -> MLAttention:
+        """Multi-head latent attention under {a} (self_attn): q_proj, or q_a_proj + q_a_layernorm + q_b_proj;
+        kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; with out_gate, g_proj (Kimi K3). bias adds
+        the biases DeepSeek's attention_bias puts on q_a, kv_a and o."""
+        N, R, V, C, Q = nope, rope_dim, v_dim, kv_lora_rank, q_lora_rank
+
+        def lin(name: str, rows: int, cols: int, with_bias: bool = False) -> Linear:
+            b = self.vector(f"{name}.bias", rows) if with_bias else None
+            return Linear(self.weight(f"{name}.weight", rows, cols), b)
+
+        return MLAttention(
+            q_proj=lin(f"{a}.q_proj", H * (N + R), E) if Q is None else None,
+            q_a_proj=lin(f"{a}.q_a_proj", Q, E, bias) if Q is not None else None,
+            q_a_norm=self.vector(f"{a}.q_a_layernorm.weight", Q) if Q is not None else None,
+            q_b_proj=lin(f"{a}.q_b_proj", H * (N + R), Q) if Q is not None else None,
+            kv_a_proj=lin(f"{a}.kv_a_proj_with_mqa", C + R, E, bias),
+            kv_a_norm=self.vector(f"{a}.kv_a_layernorm.weight", C),
+            kv_b_proj=lin(f"{a}.kv_b_proj", H * (N + V), C),
+            o_proj=lin(f"{a}.o_proj", E, H * V, bias),
+            heads=H,
+            nope_dim=N,
+            rope_dim=R,
+            v_dim=V,
+            kv_lora_rank=C,
+            rope=rope,
+            scaling=scaling,
+            norm_eps=norm_eps,
+            out_gate=lin(f"{a}.g_proj", H * V, E) if out_gate else None,
+        )
