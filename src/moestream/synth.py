@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -359,7 +360,7 @@ def make_config(arch: str, overrides: dict[str, Any], dtype: str) -> tuple[dict[
         full = sorted({i for i in range(1, n + 1) if i % 4 == 0} | {n})
         lac.update(full_attn_layers=full, kda_layers=[i for i in range(1, n + 1) if i not in full])
         text["linear_attn_config"] = lac
-    files, bos, eos = _kimi_tokenizer(int(text["vocab_size"]))
+    files, bos, eos = kimi_tokenizer(int(text["vocab_size"]))
     config = {
         "model_type": "kimi_k3",
         "architectures": ["KimiK3ForConditionalGeneration"],
@@ -380,15 +381,18 @@ def make_config(arch: str, overrides: dict[str, Any], dtype: str) -> tuple[dict[
     return config, files
 
 
-def _kimi_tokenizer(vocab_size: int) -> tuple[dict[str, str], int, int]:
-    """tiktoken.model (the 256 byte tokens), tokenizer_config.json with Kimi's special tokens at the top of
-    the vocabulary (from 163584 at full size), and tokenization_kimi.py carrying the pattern."""
-    n_special = min(256, vocab_size - N_BYTE_TOKENS)
+def kimi_tokenizer(vocab_size: int, tokens: list[bytes] | None = None) -> tuple[dict[str, str], int, int]:
+    """tiktoken.model (tokens in rank order; by default the 256 byte tokens), tokenizer_config.json with
+    Kimi's special tokens at the top of the vocabulary (from 163584 at full size), and tokenization_kimi.py
+    carrying the pattern."""
+    tokens = tokens if tokens is not None else [bytes([i]) for i in range(N_BYTE_TOKENS)]
+    n_special = min(256, vocab_size - len(tokens))
     if n_special < len(K3_SPECIALS):
-        raise ConfigError(f"synth: vocab_size must be at least {N_BYTE_TOKENS + len(K3_SPECIALS)} for the tokenizer")
+        need = len(tokens) + len(K3_SPECIALS)
+        raise ConfigError(f"synth: vocab_size must be at least {need} for the tokenizer")
     base = vocab_size - n_special
     names = K3_SPECIALS + [f"<|reserved_token_{i}|>" for i in range(len(K3_SPECIALS), n_special)]
-    ranks = "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(N_BYTE_TOKENS))
+    ranks = "".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens))
     cfg = {
         "bos_token": "[BOS]",
         "eos_token": "[EOS]",
@@ -431,37 +435,65 @@ def synth(
     def np_dtype(name: str) -> np.dtype:
         return ST_DTYPES[tensor_dtype(name, st_name)]
 
-    # Shards of at most shard_bytes, tensors in builder order (layer by layer).
+    def make(name: str) -> Callable[[], np.ndarray]:
+        return lambda: _random(name, shapes[name], seed).astype(np_dtype(name))
+
+    entries = {name: (tensor_dtype(name, st_name), shape, make(name)) for name, shape in shapes.items()}
+    write_checkpoint(out, config, files, entries, shard_bytes=shard_bytes, desc=f"synth {arch}", progress=progress)
+    return out
+
+
+Entry = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]  # safetensors dtype, shape, producer
+
+
+def write_checkpoint(
+    out: Path,
+    config: dict[str, Any],
+    files: dict[str, str],
+    entries: dict[str, Entry],
+    *,
+    shard_bytes: int = 2 << 30,
+    desc: str = "write",
+    progress: bool | None = None,
+) -> Path:
+    """A checkpoint directory written atomically: config.json, the text files given (tokenizer), and the
+    tensors in order (each made by its producer just before it is written) in shards of at most
+    shard_bytes with an index when there is more than one."""
+    out = Path(out)
+
+    def nbytes(name: str) -> int:
+        dtype, shape, _ = entries[name]
+        return math.prod(shape) * ST_DTYPES[dtype].itemsize
+
     shards: list[list[str]] = [[]]
     size = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * np_dtype(name).itemsize
-        if shards[-1] and size + nbytes > shard_bytes:
+    for name in entries:
+        if shards[-1] and size + nbytes(name) > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += nbytes
+        size += nbytes(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        bar = tqdm(total=len(shapes), desc=f"synth {arch}", unit="tensor", disable=progress is False or None)
+        bar = tqdm(total=len(entries), desc=desc, unit="tensor", disable=progress is False or None)
         weight_map = {}
         for i, names in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
-            entries = []
+            items = []
             for name in names:
+                dtype, shape, make = entries[name]
 
-                def make(name: str = name) -> np.ndarray:
+                def produce(make: Callable[[], np.ndarray] = make) -> np.ndarray:
                     bar.update(1)
-                    return _random(name, shapes[name], seed).astype(np_dtype(name))
+                    return make()
 
-                entries.append((name, tensor_dtype(name, st_name), shapes[name], make))
+                items.append((name, dtype, shape, produce))
                 weight_map[name] = fname
-            write_streaming(tmp / fname, entries, {"format": "pt"})
+            write_streaming(tmp / fname, items, {"format": "pt"})
         bar.close()
         if len(shards) > 1:
-            total = sum(math.prod(s) * np_dtype(n).itemsize for n, s in shapes.items())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            index = {"metadata": {"total_size": sum(nbytes(n) for n in entries)}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for fname, text in files.items():
