@@ -4,6 +4,7 @@ from setuptools import Extension, setup
 
 SOURCES = [
     "csrc/module.c",
+    "csrc/io.c",
     "csrc/matmul.c",
     "csrc/threadpool.c",
     "csrc/quant_float.c",
@@ -19,7 +20,7 @@ setup(
         Extension(
             "moestream._C",
             sources=SOURCES,
-            depends=["csrc/quant.h", "csrc/quant_int8.h", "csrc/matmul.h", "csrc/threadpool.h", "csrc/quant_float_simd.h"],
+            depends=["csrc/io.h", "csrc/quant.h", "csrc/quant_int8.h", "csrc/matmul.h", "csrc/threadpool.h", "csrc/quant_float_simd.h"],
             extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-pthread"],
             extra_link_args=["-pthread", "-lm"],
         )

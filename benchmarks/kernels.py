@@ -42,7 +42,7 @@ def copies(w: Weight, total: float = 1.2e9) -> list[Weight]:
     out = [w]
     for _ in range(n - 1):
         c = Weight.__new__(Weight)
-        for slot in ("fmt", "rows", "cols", "_validate"):
+        for slot in ("fmt", "rows", "cols", "_validate", "_check"):
             setattr(c, slot, getattr(w, slot))
         c.data = w.data.copy()
         c.scales = None if w.scales is None else w.scales.copy()

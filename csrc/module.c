@@ -2,6 +2,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
+
+#include "io.h"
 #include "matmul.h"
 
 static const char *isa_names[MS_NUM_ISAS] = {"scalar", "avx2", "avx512"};
@@ -211,7 +214,30 @@ static PyObject *py_formats(PyObject *self, PyObject *args) {
     return l;
 }
 
+static PyObject *py_pread(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    long long offset, n;
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "iw*LL", &fd, &buf, &offset, &n)) return NULL;
+    if (n < 0 || n > buf.len || offset < 0) {
+        PyBuffer_Release(&buf);
+        PyErr_Format(PyExc_ValueError, "pread: %lld bytes at %lld into a buffer of %zd", n, offset, buf.len);
+        return NULL;
+    }
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS r = ms_pread_full(fd, buf.buf, n, offset);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&buf);
+    if (r < 0) {
+        errno = (int)-r;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLongLong(r);
+}
+
 static PyMethodDef methods[] = {
+    {"pread", py_pread, METH_VARARGS,
+     "pread(fd, buffer, offset, n): read n bytes at offset into buffer (GIL released); returns bytes read"},
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(fmt, w, scales, rows, cols, x, out, threads): out[T, rows] = x[T, cols] @ W.T"},
     {"dequant", py_dequant, METH_VARARGS, "dequant(fmt, w, scales, rows, cols, out, threads): W as f32"},

@@ -10,9 +10,13 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .generate import GenerationStats
+    from .runtime.streaming import Streaming
 
 from .errors import InputError, MoeStreamError
 
@@ -69,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one JSON object (prompt_ids, generated_ids, text, stats) instead of streaming text",
     )
+    mem = r.add_argument_group("memory budget (packed stores: see `moestream pack`)")
+    mem.add_argument("--ram", metavar="SIZE", help="RAM budget, e.g. 8G or 512M: experts and trunk stream from disk")
+    mem.add_argument("--preset", help="a named budget (laptop, desktop, workstation, server, max, auto)")
+    mem.add_argument("--list-presets", action="store_true", help="print the presets and exit")
+    mem.add_argument("--cache-policy", default="lfu", choices=["lfu", "lru"], help="expert cache replacement")
+    mem.add_argument("--no-prefetch", action="store_true", help="do not read the next layer's experts ahead")
+    r.add_argument("--report", type=Path, metavar="FILE.json", help="write the run report as JSON")
+    r.add_argument("--trace", type=Path, metavar="FILE.jsonl", help="record the experts each MoE layer asks for")
     r.add_argument(
         "--dump-logits",
         type=Path,
@@ -158,37 +170,74 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .default_model import default_model_path
+    from .formats.packed import PackedStore
     from .generate import GenerationStats, load
+    from .runtime import planner
 
+    if args.list_presets:
+        for name, what in planner.PRESET_HELP.items():
+            print(f"{name:12s} {what}")
+        return 0
+    budget = planner.resolve_budget(args.ram, args.preset)
     path = Path(args.model) if args.model else default_model_path()
-    model = load(path, threads=args.threads, preload=False if args.no_preload else None)
+    model = load(path, threads=args.threads, preload=False if (args.no_preload or budget is not None) else None)
     prompt = _read_prompt(args, model)
-    if args.dump_logits is not None:
-        parent = args.dump_logits.parent
-        if not parent.is_dir():
-            raise InputError(f"--dump-logits: directory {parent} does not exist")
+    for target in (args.dump_logits, args.report, args.trace):
+        if target is not None and not target.parent.is_dir():
+            raise InputError(f"{target}: directory {target.parent} does not exist")
     if not args.json and model.tokenizer is None:
         raise InputError(f"{path}: the model has no tokenizer; use --json to get the generated ids")
+    streaming = None
+    if budget is not None:
+        from .runtime.streaming import attach
+
+        if not isinstance(model.store, PackedStore):
+            raise InputError(f"{path}: --ram streams from a packed store; make one with `moestream pack {path} DST`")
+        streaming = attach(
+            model,
+            model.store,
+            budget,
+            context=len(prompt) + args.gen,
+            prompt_tokens=len(prompt),
+            policy=args.cache_policy,
+            prefetch=not args.no_prefetch,
+        )
+    trace = None
+    if args.trace is not None:
+        from .runtime.streaming import record_trace
+
+        trace = record_trace(model, streaming)
     logits: list[np.ndarray] = []
     stats = GenerationStats()
     generated: list[int] = []
     stream = model.tokenizer.stream() if model.tokenizer is not None else None
     out = sys.stdout
-    for token in model.generate(
-        prompt,
-        args.gen,
-        use_cache=not args.no_cache,
-        stop_at_eos=not args.ignore_eos,
-        logits_out=logits if args.dump_logits is not None else None,
-        stats=stats,
-    ):
-        generated.append(token)
-        if not args.json and stream is not None:
-            out.write(stream.feed(token))
-            out.flush()
+    try:
+        for token in model.generate(
+            prompt,
+            args.gen,
+            use_cache=not args.no_cache,
+            stop_at_eos=not args.ignore_eos,
+            logits_out=logits if args.dump_logits is not None else None,
+            stats=stats,
+        ):
+            generated.append(token)
+            if streaming is not None and len(generated) == 1:
+                streaming.mark_prefill_done()
+            if not args.json and stream is not None:
+                out.write(stream.feed(token))
+                out.flush()
+    finally:
+        if streaming is not None:
+            streaming.close()
     if args.dump_logits is not None:
         arr = np.stack(logits).astype(np.float32) if logits else np.zeros((0, model.vocab_size), np.float32)
         _save_npy(args.dump_logits, arr)
+    report = _report(stats, model.threads, streaming)
+    if args.report is not None:
+        _write_text(args.report, json.dumps(report, indent=2) + "\n")
+    if trace is not None:
+        _write_text(args.trace, "".join(json.dumps({"layer": la, "experts": ids}) + "\n" for la, ids in trace))
     text = model.detokenize(generated) if model.tokenizer is not None else None
     if args.json:
         obj = {
@@ -208,7 +257,46 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"decode {stats.decode_tokens_per_second:.2f} tok/s | threads {model.threads}",
             file=sys.stderr,
         )
+        if streaming is not None:
+            r = report["streaming"]
+            print(
+                f"memory: {streaming.plan.describe()}\n"
+                f"experts: {r['expert_requests']} requests, hit rate {100 * r['hit_rate']:.1f}%, "
+                f"{r['bytes_read_per_token'] / 1e6:.1f} MB read per token at {r['read_mb_s']:.0f} MB/s, "
+                f"prefetch accuracy {100 * r['prefetch_accuracy']:.1f}% | peak RSS {report['peak_rss'] / 2**20:.1f} MB",
+                file=sys.stderr,
+            )
     return 0
+
+
+def _report(stats: GenerationStats, threads: int, streaming: Streaming | None) -> dict[str, Any]:
+    """The run report: tokens and times, and with a budget the expert traffic, the plan and peak RSS."""
+    from .runtime.planner import peak_rss
+
+    s = stats.as_dict()
+    gen = max(1, int(s["generated_tokens"]))
+    rep: dict[str, Any] = {**s, "threads": threads, "peak_rss": peak_rss()}
+    rep["decode_seconds_per_token"] = float(s["decode_seconds"]) / max(1, gen - 1)
+    if streaming is not None:
+        st = streaming.stats()
+        tokens = int(s["prompt_tokens"]) + gen
+        st["bytes_read_per_token"] = st["bytes_read"] / max(1, tokens)
+        st["decode_bytes_read_per_token"] = (st["bytes_read"] - st["prefill_bytes_read"]) / max(1, gen - 1)
+        st["read_mb_s"] = st["bytes_read"] / 1e6 / st["read_seconds"] if st["read_seconds"] else 0.0
+        rep["streaming"] = st
+        rep["plan"] = streaming.plan.as_dict()
+    return rep
+
+
+def _write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _size(n: float, unit: str) -> str:

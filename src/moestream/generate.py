@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from .formats.checkpoint import Checkpoint
 from .formats.packed import PackedStore, is_packed
 from .models.base import Ctx, State
 from .models.base import Model as Network
+from .runtime.planner import mem_available
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -68,6 +70,7 @@ class Model:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.ctx = Ctx(threads=threads)
+        self.store: Any = None  # the Checkpoint or PackedStore the weights are mapped from
 
     @property
     def threads(self) -> int:
@@ -161,17 +164,6 @@ class Model:
             stats.decode_seconds += time.perf_counter() - t1
 
 
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo in bytes (0 if unknown)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def load(path: str | os.PathLike[str], threads: int | None = None, preload: bool | None = None) -> Model:
     """Opens a checkpoint directory (config.json + safetensors + tokenizer). Weights are multiplied in
     their stored format from a memory map; nothing is converted. preload=True reads and maps every page
@@ -182,13 +174,13 @@ def load(path: str | os.PathLike[str], threads: int | None = None, preload: bool
     if is_packed(p):
         store = PackedStore(p)
         if preload is None:
-            preload = store.nbytes < 0.75 * available_memory()
+            preload = store.nbytes < 0.75 * mem_available()
         if preload:
             store = PackedStore(p, preload=True)
     else:
         store = Checkpoint(p)
         if preload is None:
-            preload = store.nbytes < 0.75 * available_memory()
+            preload = store.nbytes < 0.75 * mem_available()
         if preload:
             store = Checkpoint(p, preload=True)
     ckpt = store
@@ -198,4 +190,6 @@ def load(path: str | os.PathLike[str], threads: int | None = None, preload: bool
     n = default_threads() if threads is None else int(threads)
     if n < 1:
         raise InputError(f"threads must be at least 1, got {n}")
-    return Model(p, spec, decoder, tok, n)
+    model = Model(p, spec, decoder, tok, n)
+    model.store = store
+    return model

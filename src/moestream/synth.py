@@ -498,6 +498,7 @@ def write_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for fname, text in files.items():
             (tmp / fname).write_text(text)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is for everyone who can read the parent
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -245,6 +245,7 @@ def pack(
             if (Path(src) / f).exists():
                 shutil.copy(Path(src) / f, tmp / f)
         verify(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)

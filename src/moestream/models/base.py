@@ -457,28 +457,51 @@ class MoE:
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
         idx, w = self.router(x, ctx)  # [T, k] each
+        announce(self.experts, x, ctx)
         out = mix_experts(self.experts, x, idx, w, ctx)
         if self.shared is not None:
             out += self.shared(x, ctx)
         return out
 
 
-def mix_experts(experts: list[Expert], x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx: Ctx) -> np.ndarray:
+def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx: Ctx) -> np.ndarray:
     """sum_j w[t, j] * experts[idx[t, j]](x[t]) for every token t, summed in top-k order j = 0, 1, ...
-    Each distinct expert runs once over all the tokens that chose it."""
+    Each distinct expert runs once over all the tokens that chose it. `experts` is a list, or a streamed
+    set (runtime/expert_cache.py) that serves them in groups through fetch(); either way every expert
+    computes from the same bytes, so the result is the same."""
     T, k = idx.shape
     contrib: np.ndarray | None = None  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
-    for e in np.unique(idx):
-        tok, slot = np.nonzero(idx == e)
-        y = experts[int(e)](x[tok], ctx)  # [n, out]
-        if contrib is None:
-            contrib = np.empty((T, k, y.shape[1]), np.float32)
-        contrib[tok, slot] = y * w[tok, slot][:, None]
+    ids = [int(e) for e in np.unique(idx)]
+    groups = experts.fetch(ids) if hasattr(experts, "fetch") else [[(e, experts[e]) for e in ids]]
+    for group in groups:
+        for e, expert in group:
+            tok, slot = np.nonzero(idx == e)
+            y = expert(x[tok], ctx)  # [n, out]
+            if contrib is None:
+                contrib = np.empty((T, k, y.shape[1]), np.float32)
+            contrib[tok, slot] = y * w[tok, slot][:, None]
     assert contrib is not None
     out = contrib[:, 0].copy()
     for j in range(1, k):
         out += contrib[:, j]
     return out
+
+
+def announce(experts: Any, x: np.ndarray, ctx: Ctx) -> None:
+    """Tells a streamed expert set the router input of its layer (it predicts the next layer's experts
+    from it, for prefetch); a plain list ignores it."""
+    hook = getattr(experts, "announce", None)
+    if hook is not None:
+        hook(x, ctx)
+
+
+class TrunkHooks(Protocol):
+    """Called around each part of the trunk ("embed", "layer.N", "head") so a streaming runtime can
+    read the next part ahead and drop an unpinned part once it has run."""
+
+    def enter(self, group: str) -> None: ...
+
+    def leave(self, group: str) -> None: ...
 
 
 FFN = DenseMLP | MoE
@@ -544,15 +567,30 @@ class Decoder:
     ):
         self.embed, self.blocks, self.norm, self.lm_head, self.eps = embed, blocks, norm, lm_head, eps
         self.vocab_size = vocab_size
+        self.hooks: TrunkHooks | None = None
 
     def new_state(self) -> State:
         return State([b.attn.new_cache() for b in self.blocks])
 
     def forward(self, ids: list[int], state: State, ctx: Ctx, all_logits: bool = False) -> np.ndarray:
         """Runs ids (continuing state) and returns logits [T, vocab] (all_logits) or [1, vocab]."""
+        hooks = self.hooks
+        if hooks:
+            hooks.enter("embed")
         x = self.embed.dequantize_rows(np.asarray(ids, np.int64))  # [T, E]
-        for block, cache in zip(self.blocks, state.caches, strict=True):
+        if hooks:
+            hooks.leave("embed")
+        for i, (block, cache) in enumerate(zip(self.blocks, state.caches, strict=True)):
+            if hooks:
+                hooks.enter(f"layer.{i}")
             x = block(x, cache, ctx)
+            if hooks:
+                hooks.leave(f"layer.{i}")
         state.ids.extend(int(i) for i in ids)
+        if hooks:
+            hooks.enter("head")
         h = rms_norm(x if all_logits else x[-1:], self.norm, self.eps)
-        return self.lm_head.matmul(h, ctx.threads)
+        logits = self.lm_head.matmul(h, ctx.threads)
+        if hooks:
+            hooks.leave("head")
+        return logits

@@ -23,6 +23,8 @@ from .base import (
     Linear,
     SigmoidGroupRouter,
     State,
+    TrunkHooks,
+    announce,
     mix_experts,
     rms_norm,
     sigmoid,
@@ -202,6 +204,7 @@ class LatentMoE:
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
         idx, w = self.router(x, ctx)  # [T, k]
+        announce(self.experts, x, ctx)
         z = self.down(x, ctx)  # [T, L]
         acc = mix_experts(self.experts, z, idx, w, ctx)  # [T, L]
         if self.norm is not None:
@@ -229,15 +232,22 @@ class K3Decoder:
         self.embed, self.layers, self.norm, self.f_out, self.lm_head = embed, layers, norm, f_out, lm_head
         self.eps, self.block = spec.rms_norm_eps, spec.attn_res_block_size
         self.vocab_size = spec.vocab_size
+        self.hooks: TrunkHooks | None = None
 
     def new_state(self) -> State:
         return State([layer.attn.new_cache() for layer in self.layers])
 
     def forward(self, ids: list[int], state: State, ctx: Ctx, all_logits: bool = False) -> np.ndarray:
-        eps = self.eps
+        eps, hooks = self.eps, self.hooks
+        if hooks:
+            hooks.enter("embed")
         h = self.embed.dequantize_rows(np.asarray(ids, np.int64))  # [T, E]
+        if hooks:
+            hooks.leave("embed")
         blocks: list[np.ndarray] = []  # completed block sums, each [T, E]
         for i, (layer, cache) in enumerate(zip(self.layers, state.caches, strict=True)):
+            if hooks:
+                hooks.enter(f"layer.{i}")
             prefix: np.ndarray | None = h
             if blocks:
                 h = attn_res([*blocks, h], layer.f_attn, eps)
@@ -250,10 +260,17 @@ class K3Decoder:
             h = attn_res([*blocks, prefix], layer.f_mlp, eps)
             m = layer.ffn(rms_norm(h, layer.post_norm, eps), ctx)
             h = prefix + m
+            if hooks:
+                hooks.leave(f"layer.{i}")
+        if hooks:
+            hooks.enter("head")
         h = attn_res([*blocks, h], self.f_out, eps)
         state.ids.extend(int(i) for i in ids)
         hn = rms_norm(h if all_logits else h[-1:], self.norm, eps)
-        return self.lm_head.matmul(hn, ctx.threads)
+        logits = self.lm_head.matmul(hn, ctx.threads)
+        if hooks:
+            hooks.leave("head")
+        return logits
 
 
 def a_log_first_heads(t: Tensors, name: str, heads: int, stored: int) -> np.ndarray:

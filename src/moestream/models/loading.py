@@ -61,8 +61,8 @@ class Tensors:
                 raise CheckpointError(f"{self.ckpt.path}: tensor {name} is {arr.dtype}, mxfp4 stores uint8")
         path = self.ckpt.path
 
-        def check() -> None:
-            if np.any(scale == 255):
+        def check(w: Weight) -> None:
+            if np.any(w.scales == 255):
                 raise CheckpointError(
                     f"{path}: tensor {prefix}.weight_scale has an E8M0 scale of 255 (NaN in the OCP spec)"
                 )
@@ -71,7 +71,7 @@ class Tensors:
         # Scales are 1/17 of an expert: read them now when the checkpoint is preloaded anyway, else
         # when the expert is first used (a whole K3 has 85 GB of them).
         if getattr(self.ckpt, "preload", False):
-            check()
+            check(w)
         else:
             w.validate_lazily(check)
         return w

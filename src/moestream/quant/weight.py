@@ -23,7 +23,7 @@ _NP_TO_FORMAT = {
 class Weight:
     """W [rows, cols]; y = W @ x computed as matmul(x [T, cols]) -> [T, rows]."""
 
-    __slots__ = ("_validate", "cols", "data", "fmt", "rows", "scales")
+    __slots__ = ("_check", "_validate", "cols", "data", "fmt", "rows", "scales")
 
     def __init__(self, data: np.ndarray, scales: np.ndarray | None = None, fmt: str | None = None):
         """data [rows, cols] of a float dtype (the format follows the dtype), or with fmt="mxfp4" the packed
@@ -72,16 +72,18 @@ class Weight:
             assert scales is not None
             scales = np.ascontiguousarray(scales)
         self.scales = scales
-        self._validate: Callable[[], None] | None = None
+        self._validate: Callable[[Weight], None] | None = None
+        self._check: Callable[[Weight], None] | None = None
 
-    def validate_lazily(self, check: Callable[[], None]) -> None:
-        """check() runs once, before the first product (to defer reading a large mapped tensor)."""
-        self._validate = check
+    def validate_lazily(self, check: Callable[[Weight], None]) -> None:
+        """check(weight) runs once, before the first product (to defer reading a large mapped tensor);
+        a copy of the weight over other bytes (an expert cache slot) is checked again."""
+        self._validate = self._check = check
 
     def _ready(self) -> None:
         if self._validate is not None:
             check, self._validate = self._validate, None
-            check()
+            check(self)
 
     @property
     def nbytes(self) -> int:

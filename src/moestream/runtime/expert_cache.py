@@ -1,0 +1,245 @@
+"""The expert cache: a fixed arena of equal slots (sized by the plan), each holding one (layer, expert)
+blob of the packed store exactly as it is on disk, read by the BlobReader. Experts computed from a slot
+are Weights over the slot's bytes: the same bytes and the same kernels as a resident run, so the cache
+changes how fast a token comes, never which token."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..models.base import Ctx, Expert
+from ..quant import Weight
+from .policies import Policy
+from .reader import ALIGN, BlobReader, aligned_empty
+
+Key = tuple[int, int]  # (MoE layer index, expert id)
+
+
+@dataclass
+class Part:
+    """Where one buffer of a template Weight lies inside its expert's blob."""
+
+    attr: str  # "data" or "scales"
+    offset: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Template:
+    """One expert as the builder made it over the memory map (never touched), and its blob."""
+
+    expert: Expert
+    offset: int  # of the blob in the expert file
+    nbytes: int
+    parts: dict[str, list[Part]]  # "gate" / "up" / "down" -> buffers inside the blob
+
+
+def template_of(expert: Expert, blob_offset: int, blob_nbytes: int, map_addr: int, map_size: int) -> Template:
+    parts: dict[str, list[Part]] = {}
+    for name in ("gate", "up", "down"):
+        w: Weight = getattr(expert, name)
+        plist = []
+        for attr in ("data", "scales"):
+            buf = getattr(w, attr)
+            if buf is None:
+                continue
+            addr = buf.ctypes.data
+            if not map_addr <= addr < map_addr + map_size:
+                if attr == "data":
+                    raise ValueError("an expert matrix is not a view of the packed expert file")
+                continue  # a converted copy (small scales): stays as it is
+            off = addr - map_addr - blob_offset
+            if not 0 <= off and off + buf.nbytes <= blob_nbytes:
+                raise ValueError("an expert matrix lies outside its blob")
+            plist.append(Part(attr, off, int(buf.nbytes), buf.dtype, tuple(buf.shape)))
+        parts[name] = plist
+    return Template(expert, blob_offset, blob_nbytes, parts)
+
+
+def _rebased(w: Weight, parts: list[Part], slot: np.ndarray) -> Weight:
+    out = Weight.__new__(Weight)
+    for s in ("fmt", "rows", "cols", "data", "scales"):
+        setattr(out, s, getattr(w, s))
+    for p in parts:
+        setattr(out, p.attr, slot[p.offset : p.offset + p.nbytes].view(p.dtype).reshape(p.shape))
+    out._validate = out._check = w._check  # a fresh read is checked again (e.g. E8M0 scales) before first use
+    return out
+
+
+@dataclass
+class CacheStats:
+    requests: int = 0
+    hits: int = 0  # resident (or already being read by a prefetch) when asked for
+    misses: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0  # prefetched experts that the next layer asked for
+    prefetch_checked: int = 0  # prefetched experts whose layer has run since
+    wait_seconds: float = 0.0  # compute stalled on reads
+    evictions: int = 0
+
+
+@dataclass
+class ExpertCache:
+    reader: BlobReader
+    templates: dict[Key, Template]
+    n_slots: int
+    slot_bytes: int
+    policy: Policy
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self.slot_bytes = -(-self.slot_bytes // ALIGN) * ALIGN
+        self.arena = aligned_empty(self.n_slots * self.slot_bytes)
+        self.free = list(range(self.n_slots - 1, -1, -1))
+        self.slot_of: dict[Key, int] = {}
+        self.key_of: dict[int, Key] = {}
+        self.built: dict[Key, Expert] = {}
+        self.pending: dict[Key, Future[None]] = {}
+        self.pins: dict[Key, int] = {}
+        self.prefetched: set[Key] = set()
+        self.trace: list[tuple[int, list[int]]] | None = None
+
+    # ---- slots ------------------------------------------------------------------------------------
+
+    def _slot(self, key: Key, wait_ok: bool) -> int | None:
+        if self.free:
+            return self.free.pop()
+        candidates = [k for k in self.slot_of if not self.pins.get(k) and k not in self.pending]
+        if not candidates:
+            return None
+        victim: Key = self.policy.victim(candidates)  # type: ignore[assignment]
+        slot = self.slot_of.pop(victim)
+        del self.key_of[slot]
+        self.built.pop(victim, None)
+        self.prefetched.discard(victim)
+        self.policy.remove(victim)
+        self.stats.evictions += 1
+        return slot
+
+    def _read(self, key: Key, slot: int) -> None:
+        t = self.templates[key]
+        buf = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+        self.slot_of[key] = slot
+        self.key_of[slot] = key
+        self.pending[key] = self.reader.submit(t.offset, t.nbytes, buf)
+        self.policy.insert(key)
+
+    def _ready(self, key: Key) -> Expert:
+        fut = self.pending.pop(key, None)
+        if fut is not None:
+            t0 = time.perf_counter()
+            try:
+                fut.result()
+            except BaseException:
+                self.slot_of.pop(key, None)
+                raise
+            self.stats.wait_seconds += time.perf_counter() - t0
+        ex = self.built.get(key)
+        if ex is None:
+            t = self.templates[key]
+            slot = self.arena[self.slot_of[key] * self.slot_bytes :][: self.slot_bytes]
+            gate, up, down = (_rebased(getattr(t.expert, n), t.parts[n], slot) for n in ("gate", "up", "down"))
+            ex = dataclasses.replace(t.expert, gate=gate, up=up, down=down)
+            self.built[key] = ex
+        return ex
+
+    # ---- demand and prefetch ----------------------------------------------------------------------
+
+    def request(self, layer: int, ids: list[int]) -> list[Expert]:
+        """The experts `ids` of `layer`, resident and pinned until release(); all their reads are in
+        flight together."""
+        keys = [(layer, e) for e in ids]
+        for key in keys:
+            self.stats.requests += 1
+            self.policy.access(key)
+            if key in self.prefetched:
+                self.stats.prefetch_used += 1
+                self.prefetched.discard(key)
+            if key in self.slot_of:
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
+                slot = self._slot(key, wait_ok=True)
+                if slot is None:
+                    raise RuntimeError("expert cache: no free slot (the plan allows too few)")
+                self._read(key, slot)
+            self.pins[key] = self.pins.get(key, 0) + 1
+        return [self._ready(k) for k in keys]
+
+    def release(self, layer: int, ids: list[int]) -> None:
+        for e in ids:
+            key = (layer, e)
+            self.pins[key] -= 1
+            if not self.pins[key]:
+                del self.pins[key]
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        """Starts reading experts a later layer is expected to ask for (never evicts a pinned one)."""
+        # earlier predictions for this layer that were never used count as misses of the predictor
+        for key in [k for k in self.prefetched if k[0] == layer]:
+            self.prefetched.discard(key)
+        for e in ids:
+            key = (layer, e)
+            self.stats.prefetch_checked += 1
+            if key in self.slot_of:
+                continue
+            slot = self._slot(key, wait_ok=False)
+            if slot is None:
+                return
+            self._read(key, slot)
+            self.prefetched.add(key)
+            self.stats.prefetch_issued += 1
+
+    def drain(self) -> None:
+        for key in list(self.pending):
+            try:
+                self.pending.pop(key).result()
+            except Exception:
+                self.slot_of.pop(key, None)
+
+
+class StreamedExperts:
+    """The routed experts of one MoE layer, served by the cache; what mix_experts iterates over."""
+
+    def __init__(self, cache: ExpertCache, layer: int, n: int, group: int):
+        self.cache, self.layer, self.n, self.group = cache, layer, n, group
+        self.next: Any = None  # (router, StreamedExperts) of the next MoE layer, for prefetch
+        self._x: np.ndarray | None = None
+        self._ctx: Ctx | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def announce(self, x: np.ndarray, ctx: Ctx) -> None:
+        """The current layer's router input: predicts the next layer's experts once demand reads are out."""
+        self._x, self._ctx = x, ctx
+
+    def fetch(self, ids: list[int]) -> Iterator[list[tuple[int, Expert]]]:
+        if self.cache.trace is not None:
+            self.cache.trace.append((self.layer, list(ids)))
+        for i in range(0, len(ids), self.group):
+            chunk = ids[i : i + self.group]
+            experts = self.cache.request(self.layer, chunk)
+            if i == 0:
+                self._prefetch_next()
+            try:
+                yield list(zip(chunk, experts, strict=True))
+            finally:
+                self.cache.release(self.layer, chunk)
+
+    def _prefetch_next(self) -> None:
+        if self.next is None or self._x is None or self._ctx is None:
+            return
+        router, nxt = self.next
+        idx, _ = router(self._x[-1:], self._ctx)  # the last token's prediction (decode: the only one)
+        self.cache.prefetch(nxt.layer, [int(e) for e in idx[0]])
+        self._x = None

@@ -1,0 +1,207 @@
+"""Running a packed store within a RAM budget: the plan is made from the store's manifest, the routed
+experts of every MoE layer are served by one ExpertCache (O_DIRECT reads, prefetch of the next layer's
+predicted experts), and the trunk is pinned part by part as the plan allows, the rest read one part ahead
+and dropped from memory after it has run. Nothing here changes a number the model computes."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InputError
+from ..formats.packed import PackedStore, _group_key
+from ..models.base import Expert
+from .expert_cache import ExpertCache, StreamedExperts, Template, template_of
+from .planner import SCRATCH_BASE, Plan, cache_bytes, make_plan, rss_now
+from .policies import make_policy
+from .reader import ALIGN, BlobReader
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def group_name(tensor: str) -> str:
+    kind, layer = _group_key(tensor)
+    return "embed" if kind == 0 else f"layer.{layer}" if kind == 1 else "head"
+
+
+def trunk_groups(store: PackedStore) -> dict[str, tuple[int, int]]:
+    """Trunk part -> page-aligned byte range [start, end) of trunk.bin. With tied embeddings the
+    embedding is the head's matrix too, so it is part of "head"."""
+    ranges: dict[str, list[int]] = {}
+    m = store.manifest
+    entries = [(n, e) for n, e in m["tensors"].items()] + [(n, e) for n, e in m["matrices"].items()]
+    tied = not any("lm_head" in n for n, _ in entries)
+    for name, e in entries:
+        if e["file"] != "trunk":
+            continue
+        g = group_name(name)
+        if tied and g == "embed":
+            g = "head"
+        spans = [(e["offset"], e["offset"] + e["nbytes"])]
+        if e.get("scales"):
+            s = e["scales"]
+            spans.append((s["offset"], s["offset"] + s["nbytes"]))
+        for a, b in spans:
+            r = ranges.setdefault(g, [a, b])
+            r[0], r[1] = min(r[0], a), max(r[1], b)
+    return {g: (a - a % ALIGN, -(-b // ALIGN) * ALIGN) for g, (a, b) in ranges.items()}
+
+
+def moe_layers(decoder: Any) -> list[tuple[int, Any]]:
+    """(layer index, the layer's MoE object) for every layer with routed experts."""
+    layers = getattr(decoder, "blocks", None) or getattr(decoder, "layers", [])
+    return [(i, layer.ffn) for i, layer in enumerate(layers) if hasattr(layer.ffn, "experts")]
+
+
+class TrunkStreamer:
+    """TrunkHooks: pinned parts are read once at start; an unpinned part is read ahead (WILLNEED) when
+    the part before it starts and dropped from this process's memory (DONTNEED) once it has run."""
+
+    def __init__(self, store: PackedStore, groups: dict[str, tuple[int, int]], pinned: list[str]):
+        self.mm = getattr(store.maps["trunk"], "_mmap", None)
+        self.groups, self.pinned = groups, set(pinned)
+        self.order = sorted(groups, key=lambda g: _group_key(g.replace("layer.", "layers.") + "."))
+        self.next = {g: self.order[i + 1] for i, g in enumerate(self.order[:-1])}
+        self.next[self.order[-1]] = self.order[0]
+        for g in self.pinned:
+            self._advise(g, MADV_POPULATE_READ, mmap.MADV_WILLNEED)
+
+    def _advise(self, g: str, opt: int, fallback: int | None = None) -> None:
+        if self.mm is None or g not in self.groups:
+            return
+        a, b = self.groups[g]
+        b = min(b, len(self.mm))
+        if b <= a:
+            return
+        try:
+            self.mm.madvise(opt, a, b - a)
+        except (OSError, ValueError):
+            if fallback is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self.mm.madvise(fallback, a, b - a)
+
+    def enter(self, group: str) -> None:
+        nxt = self.next.get(group)
+        if nxt is not None and nxt not in self.pinned:
+            self._advise(nxt, mmap.MADV_WILLNEED)
+
+    def leave(self, group: str) -> None:
+        if group not in self.pinned:
+            self._advise(group, mmap.MADV_DONTNEED)
+
+
+@dataclass
+class Streaming:
+    plan: Plan
+    cache: ExpertCache
+    reader: BlobReader
+    trunk: TrunkStreamer
+    prefill_bytes_read: int = 0
+
+    def mark_prefill_done(self) -> None:
+        self.prefill_bytes_read = self.reader.bytes_read
+
+    def stats(self) -> dict[str, Any]:
+        s = self.cache.stats
+        return {
+            "prefill_bytes_read": self.prefill_bytes_read,
+            "expert_requests": s.requests,
+            "expert_hits": s.hits,
+            "hit_rate": s.hits / s.requests if s.requests else 0.0,
+            "expert_reads": self.reader.reads,
+            "bytes_read": self.reader.bytes_read,
+            "read_seconds": self.reader.seconds,
+            "wait_seconds": s.wait_seconds,
+            "prefetch_issued": s.prefetch_issued,
+            "prefetch_used": s.prefetch_used,
+            "prefetch_accuracy": s.prefetch_used / s.prefetch_issued if s.prefetch_issued else 0.0,
+            "o_direct": self.reader.direct,
+        }
+
+    def close(self) -> None:
+        self.cache.drain()
+        self.reader.close()
+
+
+def attach(
+    model: Any,
+    store: PackedStore,
+    budget: int,
+    context: int,
+    prompt_tokens: int,
+    policy: str = "lfu",
+    prefetch: bool = True,
+) -> Streaming:
+    """Plans the budget for a context of `context` tokens (the longest prompt chunk: prompt_tokens) and
+    switches the model's experts and trunk to streaming. Refuses (InputError) a budget that cannot fit."""
+    decoder = model.decoder
+    layers = moe_layers(decoder)
+    blobs = store.manifest.get("expert_blobs", {})
+    if not layers or not blobs:
+        raise InputError(f"{store.path}: --ram needs a model with routed experts in a packed store")
+    exp_map = store.maps["experts"]
+    map_addr, map_size = exp_map.ctypes.data, int(exp_map.size)
+    templates: dict[tuple[int, int], Template] = {}
+    top_k = 1
+    for i, moe in layers:
+        top_k = max(top_k, int(getattr(moe.router, "top_k", 1)))
+        for e, ex in enumerate(moe.experts):
+            b = blobs.get(f"{i}.{e}")
+            if b is None:
+                raise InputError(f"{store.path}: the manifest has no blob for layer {i} expert {e}")
+            templates[(i, e)] = template_of(ex, b["offset"], b["nbytes"], map_addr, map_size)
+    slot_bytes = max(t.nbytes for t in templates.values())
+    slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
+    groups = trunk_groups(store)
+    sizes = {g: b - a for g, (a, b) in groups.items()}
+    state = model.new_state()
+    kv = sum(cache_bytes(c, context) for c in state.caches)
+    E = int(decoder.embed.cols)
+    V = int(model.vocab_size)
+    inter = max((t.expert.gate.rows for t in templates.values()), default=E)
+    T = max(1, prompt_tokens)
+    scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * 128 * T * T * 4
+    plan = make_plan(budget, sizes, slot_bytes, len(templates), top_k, kv, scratch, context)
+    plan.overhead = rss_now()
+    reader = BlobReader(store.path / store.manifest["files"]["experts"])
+    if not reader.direct:
+        plan.notes.append("O_DIRECT refused by the file system: buffered reads (the page cache is used)")
+    cache = ExpertCache(reader, templates, plan.expert_slots, slot_bytes, make_policy(policy))
+    group = max(top_k, plan.expert_slots - 1)
+    streamed = []
+    for i, moe in layers:
+        se = StreamedExperts(cache, i, len(moe.experts), group)
+        moe.experts = se
+        streamed.append((moe, se))
+    if prefetch:
+        for (_, se), (nxt_moe, nxt_se) in itertools.pairwise(streamed):
+            se.next = (nxt_moe.router, nxt_se)
+    trunk = TrunkStreamer(store, groups, plan.pinned)
+    decoder.hooks = trunk
+    return Streaming(plan, cache, reader, trunk)
+
+
+class TracingExperts(list[Expert]):
+    """A resident expert list that records which experts each MoE call asks for (run --trace)."""
+
+    def __init__(self, experts: list[Expert], layer: int, trace: list[tuple[int, list[int]]]):
+        super().__init__(experts)
+        self.layer, self.trace = layer, trace
+
+    def fetch(self, ids: list[int]) -> list[list[tuple[int, Expert]]]:
+        self.trace.append((self.layer, list(ids)))
+        return [[(e, self[e]) for e in ids]]
+
+
+def record_trace(model: Any, streaming: Streaming | None) -> list[tuple[int, list[int]]]:
+    """Starts recording the experts every MoE call asks for; returns the (growing) list."""
+    trace: list[tuple[int, list[int]]] = []
+    if streaming is not None:
+        streaming.cache.trace = trace
+        return trace
+    for i, moe in moe_layers(model.decoder):
+        moe.experts = TracingExperts(list(moe.experts), i, trace)
+    return trace

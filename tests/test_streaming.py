@@ -1,0 +1,183 @@
+"""Running within a RAM budget (runtime/): a packed model at least 4x the budget gives byte-identical
+ids and logits at every budget (the minimum included) and at 1 and 2 threads, equal to the resident
+run; peak RSS stays within the budget plus the stated overhead; a failed expert read ends the run with
+exit code 4 and no token after the fault; the planner refuses a budget below its minimum."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moestream.formats.packed import pack
+from moestream.runtime.planner import parse_size
+from moestream.runtime.policies import LRU, LFUAging, belady_hits, replay
+from moestream.synth import synth
+
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+PROMPT = "3,14,15,92,65,35,89,79,32,38"
+GEN = 8
+
+MODELS = {
+    # MXFP4 experts kept as the checkpoint has them; experts dominate the store
+    "kimi_k3": dict(
+        num_hidden_layers=4,
+        num_experts=128,
+        num_experts_per_token=4,
+        routed_expert_hidden_size=256,
+        moe_intermediate_size=512,
+    ),
+    # bf16 experts requantized to q8_0 by the pack
+    "deepseek_v3": dict(num_hidden_layers=4, n_routed_experts=128, moe_intermediate_size=512, hidden_size=256),
+}
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moestream", *args], capture_output=True, text=True, env=env or ENV, timeout=600
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def packed(request, tmp_path_factory) -> Path:
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"stream-{arch}")
+    src = synth(arch, root / "src", MODELS[arch], seed=11, progress=False)
+    experts = "keep" if arch == "kimi_k3" else "q8_0"
+    return pack(src, root / "packed", experts=experts, trunk="keep", progress=False)
+
+
+def run(path: Path, tmp: Path, tag: str, *extra: str) -> tuple[list[int], bytes, dict]:
+    logits, report = tmp / f"{tag}.npy", tmp / f"{tag}.json"
+    p = cli(
+        "run", str(path), "--ids", PROMPT, "--gen", str(GEN), "--json", "--ignore-eos",
+        "--dump-logits", str(logits), "--report", str(report), *extra,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)["generated_ids"], logits.read_bytes(), json.loads(report.read_text())
+
+
+_memo: dict[tuple[Path, str], object] = {}
+
+
+def resident(path: Path, tmp: Path) -> tuple[list[int], bytes, dict]:
+    key = (path, "resident")
+    if key not in _memo:
+        _memo[key] = run(path, tmp, "resident", "--threads", "2")
+    return _memo[key]  # type: ignore[return-value]
+
+
+def minimum_budget(path: Path) -> int:
+    key = (path, "minimum")
+    if key not in _memo:
+        _memo[key] = _minimum_budget(path)
+    return _memo[key]  # type: ignore[return-value]
+
+
+def _minimum_budget(path: Path) -> int:
+    p = cli("run", str(path), "--ids", PROMPT, "--gen", str(GEN), "--json", "--ram", "1M")
+    assert p.returncode == 2 and p.stdout == ""
+    m = re.search(r"needs at least (\d+) MB", p.stderr)
+    assert m, p.stderr
+    return int(m.group(1)) + 1
+
+
+def store_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.bin"))
+
+
+def test_budgets_and_threads_give_identical_output(packed, tmp_path):
+    ids, logits, _ = resident(packed, tmp_path)
+    low = minimum_budget(packed)
+    size = store_bytes(packed)
+    budgets = [low, (low + size // (4 << 20)) // 2 + 1, 4 * size >> 20]
+    assert budgets[0] << 20 <= size // 4 and budgets[1] << 20 <= size // 4, (budgets, size)
+    hit_rates = []
+    for mb in budgets:
+        for threads in ("1", "2") if mb == low else ("2",):
+            got_ids, got_logits, rep = run(packed, tmp_path, f"{mb}-{threads}", "--ram", f"{mb}M", "--threads", threads)
+            assert got_ids == ids, (mb, threads)
+            assert got_logits == logits, (mb, threads)
+            plan = rep["plan"]
+            assert plan["used"] <= plan["budget"] == mb << 20
+            assert rep["peak_rss"] <= plan["overhead"] + plan["budget"], (rep["peak_rss"], plan)
+            assert rep["streaming"]["expert_requests"] > 0
+        hit_rates.append(rep["streaming"]["hit_rate"])
+    assert hit_rates[0] < hit_rates[-1]  # more memory, more hits (the largest budget holds every expert)
+    assert rep["streaming"]["bytes_read"] <= size
+
+
+def test_no_prefetch_and_lru_change_nothing_but_speed(packed, tmp_path):
+    ids, logits, _ = resident(packed, tmp_path)
+    low = minimum_budget(packed)
+    for extra in (["--no-prefetch"], ["--cache-policy", "lru"]):
+        got_ids, got_logits, rep = run(packed, tmp_path, extra[-1], "--ram", f"{low + 2}M", *extra)
+        assert (got_ids, got_logits) == (ids, logits)
+    assert rep["streaming"]["prefetch_issued"] > 0
+
+
+def test_failed_read_exits_4_without_a_token_after_it(packed, tmp_path):
+    low = minimum_budget(packed)
+    _, _, rep = run(packed, tmp_path, "ok", "--ram", f"{low}M")
+    reads = rep["streaming"]["expert_reads"]
+    base = ["run", str(packed), "--ids", PROMPT, "--gen", str(GEN), "--ignore-eos", "--ram", f"{low}M"]
+    fault = cli(*base, "--json", env={**ENV, "MOESTREAM_FAIL_READ": str(reads - 2)})
+    assert fault.returncode == 4, fault.stderr
+    assert fault.stdout == ""  # --json prints all or nothing
+    line = fault.stderr.strip().splitlines()[-1]
+    assert line.startswith("moestream: error:") and "experts.bin" in line and "offset" in line
+    assert "Traceback" not in fault.stderr
+    # streamed text: what was printed is the start of the good run, and stops before the failed token
+    text_ok = cli(*base)
+    text_fault = cli(*base, env={**ENV, "MOESTREAM_FAIL_READ": str(reads - 2)})
+    assert text_fault.returncode == 4
+    assert text_ok.stdout.startswith(text_fault.stdout) and len(text_fault.stdout) < len(text_ok.stdout)
+
+
+def test_budget_below_minimum_is_refused(packed):
+    p = cli("run", str(packed), "--ids", PROMPT, "--ram", "2M")
+    assert p.returncode == 2 and p.stdout == ""
+    assert "needs at least" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_ram_needs_a_packed_store(tmp_path):
+    src = synth("qwen3_moe", tmp_path / "m", {"num_hidden_layers": 2}, progress=False)
+    p = cli("run", str(src), "--ids", "1,2", "--ram", "1G")
+    assert p.returncode == 2 and "moestream pack" in p.stderr
+
+
+def test_trace_replays_and_lfu_beats_lru(packed, tmp_path):
+    trace_file = tmp_path / "trace.jsonl"
+    p = cli("run", str(packed), "--ids", PROMPT, "--gen", "24", "--json", "--ignore-eos", "--trace", str(trace_file))
+    assert p.returncode == 0, p.stderr
+    records = [json.loads(x) for x in trace_file.read_text().splitlines()]
+    assert records and all(set(r) == {"layer", "experts"} for r in records)
+    keys = [(r["layer"], e) for r in records for e in r["experts"]]
+    slots = len(set(keys)) // 3
+    lru, lfu, opt = replay(LRU(), keys, slots), replay(LFUAging(), keys, slots), belady_hits(keys, slots)
+    assert lru <= opt and lfu <= opt
+
+
+def test_policies_on_a_skewed_cyclic_trace():
+    """Four layers of 16 experts, a few popular per layer: LRU thrashes on the cycle, LFU keeps the
+    popular ones; Belady bounds both."""
+    rng = np.random.default_rng(0)
+    p = np.array([8.0] * 3 + [1.0] * 13)
+    p /= p.sum()
+    keys = [(layer, int(e)) for _ in range(300) for layer in range(4) for e in rng.choice(16, 2, replace=False, p=p)]
+    slots = 16
+    lru, lfu, opt = replay(LRU(), keys, slots), replay(LFUAging(), keys, slots), belady_hits(keys, slots)
+    assert lru < lfu <= opt
+
+
+def test_parse_size():
+    assert parse_size("8G") == 8 << 30 and parse_size("512M") == 512 << 20 and parse_size("1.5GiB") == 3 << 29
+    with pytest.raises(Exception, match="cannot read"):
+        parse_size("lots")
