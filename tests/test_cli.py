@@ -92,7 +92,8 @@ def test_default_model_text_run(tmp_path):
     assert "tok/s" in p.stderr
     p2 = cli("run", "--prompt", "Hello", "--gen", "5", "--json", env=env)
     obj = json.loads(p2.stdout)
-    assert len(obj["generated_ids"]) <= 5 and obj["prompt_ids"][0] == 256  # BOS from tokenizer_config
+    bos = json.loads((Path(obj["model"]) / "config.json").read_text())["bos_token_id"]
+    assert len(obj["generated_ids"]) <= 5 and obj["prompt_ids"][0] == bos  # BOS from tokenizer_config
     assert p.stdout.rstrip("\n") == obj["text"]  # streamed text is the detokenized ids
     p3 = cli("run", "--prompt", "Hello", "--gen", "5", "--json", env=env)  # reuses the cached model
     assert json.loads(p3.stdout)["generated_ids"] == obj["generated_ids"]

@@ -601,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
-        log(args, {"event": "resume", "step": step})
+        log(args, {"event": "resume", "step": step, "steps": args.steps})
     if args.export:
         bpb = bits_per_byte(model, corpus, args.seq, args.export_windows)
         bpb_q = bits_per_byte(model, corpus, args.seq, args.export_windows, model.dequantized_experts())

@@ -1,20 +1,19 @@
-"""The embedded default model: a small deterministic synthetic Kimi K3 checkpoint (MXFP4 experts, tiktoken
-tokenizer), created on first use in the cache directory ($MOESTREAM_HOME, else
-$XDG_CACHE_HOME/moestream, else ~/.cache/moestream)."""
+"""The embedded default model: the demo Kimi K3 trained by tools/train_demo.py on the Python standard
+library (bf16 trunk, MXFP4 experts, tiktoken tokenizer), shipped inside the package in src/moestream/demo."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from .synth import synth
+from .errors import CheckpointError
 
-DEFAULT_NAME = "default-kimi_k3-v1"
-DEFAULT_ARCH = "kimi_k3"
-DEFAULT_SEED = 1234
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
 
 def cache_dir() -> Path:
+    """Where moestream keeps files it makes ($MOESTREAM_HOME, else $XDG_CACHE_HOME/moestream, else
+    ~/.cache/moestream)."""
     home = os.environ.get("MOESTREAM_HOME")
     if home:
         return Path(home)
@@ -23,11 +22,7 @@ def cache_dir() -> Path:
 
 
 def default_model_path() -> Path:
-    """The default model's directory, synthesised (atomically) if it is not there yet."""
-    path = cache_dir() / DEFAULT_NAME
-    if not (path / "config.json").exists():
-        try:
-            synth(DEFAULT_ARCH, path, seed=DEFAULT_SEED, force=True, progress=False)
-        except FileExistsError:  # another process finished first
-            pass
-    return path
+    """The demo model's directory inside the installed package."""
+    if not (DEMO_DIR / "config.json").exists():
+        raise CheckpointError(f"{DEMO_DIR}: the embedded demo model is missing from this installation")
+    return DEMO_DIR
