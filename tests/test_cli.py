@@ -270,9 +270,10 @@ def test_no_prompt(small_case):
     assert_user_error(cli("run", str(small_case.path)), "no prompt")
 
 
-def test_bad_dump_dir(small_case, tmp_path):
-    p = cli("run", str(small_case.path), "--ids", "1", "--json", "--dump-logits", str(tmp_path / "x" / "l.npy"))
-    assert_user_error(p, "--dump-logits")
+@pytest.mark.parametrize("flag", ["--dump-logits", "--report", "--trace"])
+def test_bad_output_dir(small_case, tmp_path, flag):
+    p = cli("run", str(small_case.path), "--ids", "1", "--json", flag, str(tmp_path / "x" / "out"))
+    assert_user_error(p, flag)
 
 
 def test_inspect_full_kimi_k3_config(tmp_path):

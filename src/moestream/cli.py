@@ -182,9 +182,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     path = Path(args.model) if args.model else default_model_path()
     model = load(path, threads=args.threads, preload=False if (args.no_preload or budget is not None) else None)
     prompt = _read_prompt(args, model)
-    for target in (args.dump_logits, args.report, args.trace):
+    for flag, target in (("--dump-logits", args.dump_logits), ("--report", args.report), ("--trace", args.trace)):
         if target is not None and not target.parent.is_dir():
-            raise InputError(f"{target}: directory {target.parent} does not exist")
+            raise InputError(f"{flag}: directory {target.parent} does not exist")
     if not args.json and model.tokenizer is None:
         raise InputError(f"{path}: the model has no tokenizer; use --json to get the generated ids")
     streaming = None
