@@ -163,7 +163,8 @@ def attach(
     V = int(model.vocab_size)
     inter = max((t.expert.gate.rows for t in templates.values()), default=E)
     T = max(1, prompt_tokens)
-    scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * 128 * T * T * 4
+    heads = int(getattr(model.spec, "num_attention_heads", 0) or 32)
+    scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * heads * T * T * 4  # + scores [H, T, T]
     plan = make_plan(budget, sizes, slot_bytes, len(templates), top_k, kv, scratch, context)
     plan.overhead = rss_now()
     reader = BlobReader(store.path / store.manifest["files"]["experts"])
