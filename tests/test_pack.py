@@ -44,7 +44,7 @@ def test_keep_is_byte_identical(k3, small_case, tmp_path):
         assert list(gen) == list(moestream.load(src).generate(ids, 6, stop_at_eos=False))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k", "tq1_0", "int4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "fp8", "q8_0", "q4_k", "q6_k", "tq1_0", "int4", "mxfp4"])
 def test_requantized_matrices_are_the_quantizers_output(k3, tmp_path, fmt):
     dst = pack(k3, tmp_path / fmt, experts=fmt, trunk="q8_0", progress=False)
     store, src = PackedStore(dst), Checkpoint(k3)

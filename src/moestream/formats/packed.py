@@ -23,19 +23,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
 from ..errors import CheckpointError, InputError
 from ..quant import FORMATS, Weight, blocks
-from ..quant.formats import quantize_int4_reference, quantize_mxfp4_reference
+from ..quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
 from .checkpoint import Checkpoint, TensorStore, read_json
 from .safetensors import DTYPE_NAMES, DTYPES, MappedFile, TensorInfo
 
 MANIFEST = "manifest.json"
 VERSION = 1
 ALIGN = 4096
-PACK_FORMATS = ["keep", "q8_0", "q6_k", "q4_k", "q3_k", "q2_k", "tq2_0", "tq1_0", "mxfp4", "int4"]
+PACK_FORMATS = [
+    "keep",
+    "f32",
+    "bf16",
+    "f16",
+    "fp8",
+    "q8_0",
+    "q6_k",
+    "q4_k",
+    "q3_k",
+    "q2_k",
+    "tq2_0",
+    "tq1_0",
+    "mxfp4",
+    "int4",
+]
+# the numpy dtype of a float format's stored elements
+FLOAT_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16, "fp8": ml_dtypes.float8_e4m3fn}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "generation_config.json")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -120,6 +138,10 @@ def source_weight(ckpt: Checkpoint, m: Matrix) -> Weight:
 
 def quantize(fmt: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """f32 [rows, cols] -> (data, scales) of a pack format."""
+    if fmt == "fp8":
+        return quantize_fp8_reference(w)
+    if fmt in FLOAT_DTYPES:
+        return w.astype(FLOAT_DTYPES[fmt]), None
     if fmt == "mxfp4":
         return quantize_mxfp4_reference(w)
     if fmt == "int4":
@@ -446,7 +468,10 @@ class PackedStore(TensorStore):
             raise CheckpointError(
                 f"{self.path}: matrix {name} is {e['rows']}x{e['cols']}, the config implies {rows}x{cols}"
             )
-        data = self._bytes(e).reshape(rows, -1)
+        data = self._bytes(e)
+        if e["format"] in FLOAT_DTYPES:
+            data = data.view(FLOAT_DTYPES[e["format"]])
+        data = data.reshape(rows, -1)
         scales = None
         if e["scales"]:
             s = e["scales"]
