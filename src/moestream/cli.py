@@ -42,6 +42,8 @@ def _parse_ids(s: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .runtime.policies import DEFAULT_POLICY, POLICIES
+
     p = argparse.ArgumentParser(
         prog="moestream",
         description="Run Mixture-of-Experts language models on a CPU, straight from their checkpoints.",
@@ -77,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--ram", metavar="SIZE", help="RAM budget, e.g. 8G or 512M: experts and trunk stream from disk")
     mem.add_argument("--preset", help="a named budget (laptop, desktop, workstation, server, max, auto)")
     mem.add_argument("--list-presets", action="store_true", help="print the presets and exit")
-    mem.add_argument("--cache-policy", default="lfu", choices=["lfu", "lru"], help="expert cache replacement")
+    mem.add_argument(
+        "--cache-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help="expert cache replacement"
+    )
     mem.add_argument("--no-prefetch", action="store_true", help="do not read the next layer's experts ahead")
     r.add_argument("--report", type=Path, metavar="FILE.json", help="write the run report as JSON")
     r.add_argument("--trace", type=Path, metavar="FILE.jsonl", help="record the experts each MoE layer asks for")

@@ -24,10 +24,7 @@ PRESETS: dict[str, int] = {
     "server": 256 * GB,
 }
 PRESET_HELP = {
-    "laptop": "8 GiB",
-    "desktop": "16 GiB",
-    "workstation": "64 GiB",
-    "server": "256 GiB",
+    **{name: f"{size // GB} GiB" for name, size in PRESETS.items()},
     "max": "everything resident (no budget)",
     "auto": "80% of what this machine (or its memory cgroup) has available",
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,8 +59,6 @@ class BlobReader:
         return self.pool.submit(self._read, offset, nbytes, into, n)
 
     def _read(self, offset: int, nbytes: int, into: np.ndarray, n: int) -> None:
-        import time
-
         length = -(-nbytes // ALIGN) * ALIGN if self.direct else nbytes
         t0 = time.perf_counter()
         try:

@@ -16,7 +16,7 @@ from ..formats.packed import PackedStore, _group_key
 from ..models.base import Expert
 from .expert_cache import ExpertCache, StreamedExperts, Template, template_of
 from .planner import SCRATCH_BASE, Plan, cache_bytes, make_plan, rss_now
-from .policies import make_policy
+from .policies import DEFAULT_POLICY, make_policy
 from .reader import ALIGN, BlobReader
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -132,7 +132,7 @@ def attach(
     budget: int,
     context: int,
     prompt_tokens: int,
-    policy: str = "lfu",
+    policy: str = DEFAULT_POLICY,
     prefetch: bool = True,
 ) -> Streaming:
     """Plans the budget for a context of `context` tokens (the longest prompt chunk: prompt_tokens) and
