@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import time
 from collections.abc import Callable
@@ -13,18 +12,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def machine() -> str:
-    cpu = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     from moestream import _C
+    from moestream.doctor import cpu_model
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, kernels: {_C.get_isa()}"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, kernels: {_C.get_isa()}"
 
 
 def commit() -> str:

@@ -19,13 +19,15 @@ import moestream
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
 
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict | None = None, input_text: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "moestream.cli", *args],
         capture_output=True,
         text=True,
         env=env or ENV,
         timeout=300,
+        input=input_text,
+        stdin=None if input_text is not None else subprocess.DEVNULL,
     )
 
 

@@ -4,6 +4,7 @@ code (2 for bad input, 1 for runtime failures, 4 for data integrity); never a tr
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -18,7 +19,15 @@ if TYPE_CHECKING:
     from .generate import GenerationStats
     from .runtime.streaming import Streaming
 
+from .console import LiveStatus
 from .errors import InputError, MoeStreamError
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (and exit code 2), like every other user error."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"moestream: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
@@ -41,16 +50,77 @@ def _parse_ids(s: str) -> list[int]:
         raise InputError(f"--ids expects comma-separated integers, got {s!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _float_in(low: float, high: float) -> Callable[[str], float]:
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {v}")
+        return v
+
+    return parse
+
+
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    g = p.add_argument_group("sampling (greedy unless --temperature > 0)")
+    g.add_argument(
+        "--temperature", "--temp", type=_float_in(0, 100), default=temperature, help=f"default {temperature}"
+    )
+    g.add_argument("--top-k", type=_int_at_least(0), default=0, help="keep the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=_float_in(1e-9, 1), default=1.0, help="keep the smallest set reaching p")
+    g.add_argument("--min-p", type=_float_in(0, 1), default=0.0, help="drop tokens below min-p x the top prob")
+    g.add_argument("--repeat-penalty", type=_float_in(1e-6, 100), default=1.0, help="llama.cpp's (1: off)")
+    g.add_argument("--presence-penalty", type=_float_in(-2, 2), default=0.0, help="OpenAI's (0: off)")
+    g.add_argument("--frequency-penalty", type=_float_in(-2, 2), default=0.0, help="OpenAI's (0: off)")
+    g.add_argument("--repeat-last-n", type=_int_at_least(-1), default=64, help="tokens the penalties look at (-1: all)")
+    g.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same text")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    from .sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        penalty_last_n=args.repeat_last_n,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> None:
     from .runtime.policies import DEFAULT_POLICY, POLICIES
 
-    p = argparse.ArgumentParser(
+    mem = p.add_argument_group("memory budget (packed stores: see `moestream pack`)")
+    mem.add_argument("--ram", metavar="SIZE", help="RAM budget, e.g. 8G or 512M: experts and trunk stream from disk")
+    mem.add_argument("--preset", help="a named budget (laptop, desktop, workstation, server, max, auto)")
+    mem.add_argument("--list-presets", action="store_true", help="print the presets and exit")
+    mem.add_argument(
+        "--cache-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help="expert cache replacement"
+    )
+    mem.add_argument("--no-prefetch", action="store_true", help="do not read the next layer's experts ahead")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
         prog="moestream",
         description="Run Mixture-of-Experts language models on a CPU, straight from their checkpoints.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="generate text from a prompt", description="Greedy generation from a prompt.")
+    r = sub.add_parser(
+        "run",
+        help="generate text from a prompt",
+        description="Generation from a prompt (greedy unless --temperature is given).",
+    )
     r.add_argument(
         "model",
         nargs="?",
@@ -75,14 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one JSON object (prompt_ids, generated_ids, text, stats) instead of streaming text",
     )
-    mem = r.add_argument_group("memory budget (packed stores: see `moestream pack`)")
-    mem.add_argument("--ram", metavar="SIZE", help="RAM budget, e.g. 8G or 512M: experts and trunk stream from disk")
-    mem.add_argument("--preset", help="a named budget (laptop, desktop, workstation, server, max, auto)")
-    mem.add_argument("--list-presets", action="store_true", help="print the presets and exit")
-    mem.add_argument(
-        "--cache-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help="expert cache replacement"
+    add_memory_args(r)
+    add_sampling_args(r, temperature=0.0)
+    r.add_argument(
+        "--load-state", type=Path, metavar="FILE", help="continue from a saved state (the prompt follows it)"
     )
-    mem.add_argument("--no-prefetch", action="store_true", help="do not read the next layer's experts ahead")
+    r.add_argument("--save-state", type=Path, metavar="FILE", help="save the state at the end (continue it later)")
     r.add_argument("--report", type=Path, metavar="FILE.json", help="write the run report as JSON")
     r.add_argument("--trace", type=Path, metavar="FILE.jsonl", help="record the experts each MoE layer asks for")
     r.add_argument(
@@ -91,6 +159,61 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.npy",
         help="save the logits each generated token was chosen from, float32 [gen, vocab]",
     )
+
+    c = sub.add_parser(
+        "chat",
+        help="multi-turn chat on kept state",
+        description="Chat with a model: the conversation is rendered with its chat template (a fallback for "
+        "base models) and each turn prefills only what is new. Type /reset to start over, /exit to leave. "
+        "When stdin is not a terminal each line is one user turn.",
+    )
+    c.add_argument("model", nargs="?", help="checkpoint directory; omitted: the embedded default model")
+    c.add_argument("--system", "-s", help="system prompt")
+    c.add_argument("--gen", "-n", type=_int_at_least(1), default=256, help="most tokens per reply (default 256)")
+    c.add_argument("--history", type=Path, metavar="FILE.jsonl", help="resume from and append to this history")
+    c.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
+    c.add_argument("--verbose", "-v", action="store_true", help="after each reply, the tokens prefilled and tok/s")
+    add_memory_args(c)
+    add_sampling_args(c, temperature=0.0)
+
+    v = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server",
+        description="Serve /v1/models, /v1/completions, /v1/chat/completions (streaming or not) and /health. "
+        "Requests are served one at a time, in arrival order.",
+    )
+    v.add_argument("model", nargs="?", help="checkpoint directory; omitted: the embedded default model")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    v.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000; 0: any free port)")
+    v.add_argument("--model-name", help="the model id clients use (default: the directory name)")
+    v.add_argument("--ctx", type=_int_at_least(1), default=4096, help="most tokens per request, prompt + reply")
+    v.add_argument("--max-tokens", type=_int_at_least(1), default=1024, help="most tokens a request may generate")
+    v.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
+    add_memory_args(v)
+
+    d = sub.add_parser(
+        "doctor",
+        help="what this machine can do: CPU, memory, disk bandwidth, the preset to use",
+        description="CPU features and cores, RAM and the cgroup limit, the O_DIRECT read bandwidth of the "
+        "model's disk, and the preset recommended for the model with its expected seconds per token.",
+    )
+    d.add_argument("model", nargs="?", help="a packed store (default: the embedded demo model)")
+    d.add_argument("--seconds", type=float, default=2.0, help="how long to measure the disk (default 2)")
+
+    b = sub.add_parser(
+        "bench",
+        help="the memory ladder: speed and traffic at several RAM budgets",
+        description="Runs the same prompt at each budget (each in its own process) and prints s/token, expert "
+        "hit rate, GB read per token and peak RSS; --plot writes them as a PNG (needs matplotlib: "
+        "pip install 'moestream[plot]').",
+    )
+    b.add_argument("model", help="a packed store (see `moestream pack`)")
+    b.add_argument("--ram", required=True, help="budgets, comma-separated, e.g. 2G,4G,8G (max: everything)")
+    b.add_argument("--prompt-tokens", type=_int_at_least(1), default=32, help="prompt length (default 32)")
+    b.add_argument("--gen", "-n", type=_int_at_least(2), default=16, help="tokens to generate (default 16)")
+    b.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
+    b.add_argument("--plot", type=Path, metavar="FILE.png", help="write the ladder as a PNG")
+    b.add_argument("--json", type=Path, metavar="FILE.json", help="write the rows as JSON")
 
     i = sub.add_parser(
         "inspect",
@@ -143,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_prompt(args: argparse.Namespace, model: Any) -> list[int]:
+def _read_prompt(args: argparse.Namespace, model: Any, allow_empty: bool = False) -> list[int]:
+    if allow_empty and args.ids is None and args.prompt_file is None and args.prompt is None:
+        return []
     if args.ids is not None:
         ids = _parse_ids(args.ids)
     elif args.prompt_file is not None:
@@ -153,9 +278,9 @@ def _read_prompt(args: argparse.Namespace, model: Any) -> list[int]:
             raise InputError(f"prompt file {args.prompt_file} does not exist") from None
         except (OSError, UnicodeDecodeError) as e:
             raise InputError(f"cannot read prompt file {args.prompt_file}: {e}") from None
-        ids = model.tokenize(text, add_bos=False if args.no_bos else None)
+        ids = model.tokenize(text, add_bos=False if (args.no_bos or allow_empty) else None)
     elif args.prompt is not None:
-        ids = model.tokenize(args.prompt, add_bos=False if args.no_bos else None)
+        ids = model.tokenize(args.prompt, add_bos=False if (args.no_bos or allow_empty) else None)
     else:
         raise InputError("no prompt: give --prompt TEXT, --prompt-file PATH or --ids 1,2,3")
     return list(model.check_ids(ids))
@@ -185,12 +310,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     budget = planner.resolve_budget(args.ram, args.preset)
     path = Path(args.model) if args.model else default_model_path()
     model = load(path, threads=args.threads, preload=False if (args.no_preload or budget is not None) else None)
-    prompt = _read_prompt(args, model)
-    for flag, target in (("--dump-logits", args.dump_logits), ("--report", args.report), ("--trace", args.trace)):
+    sampling = sampling_from_args(args)
+    state = model.new_state()
+    pending: list[int] = []
+    if args.load_state is not None:
+        from .state_file import load_state
+
+        state, pending = load_state(args.load_state, model)
+    prompt = pending + _read_prompt(args, model, allow_empty=bool(pending))
+    targets = [("--dump-logits", args.dump_logits), ("--report", args.report), ("--trace", args.trace)]
+    for flag, target in [*targets, ("--save-state", args.save_state)]:
         if target is not None and not target.parent.is_dir():
             raise InputError(f"{flag}: directory {target.parent} does not exist")
     if not args.json and model.tokenizer is None:
         raise InputError(f"{path}: the model has no tokenizer; use --json to get the generated ids")
+    if sampling.stop and model.tokenizer is None:
+        raise InputError(f"{path}: --stop needs a tokenizer (the model has none)")
     streaming = None
     if budget is not None:
         from .runtime.streaming import attach
@@ -201,7 +336,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             model,
             model.store,
             budget,
-            context=len(prompt) + args.gen,
+            context=len(state.ids) + len(prompt) + args.gen,
             prompt_tokens=len(prompt),
             policy=args.cache_policy,
             prefetch=not args.no_prefetch,
@@ -214,26 +349,57 @@ def cmd_run(args: argparse.Namespace) -> int:
     logits: list[np.ndarray] = []
     stats = GenerationStats()
     generated: list[int] = []
-    stream = model.tokenizer.stream() if model.tokenizer is not None else None
+    text_out = model.tokenizer is not None
     out = sys.stdout
+    live = LiveStatus(out, enabled=None if not args.json else False)
+    gen_kwargs: dict[str, Any] = {
+        "use_cache": not args.no_cache,
+        "logits_out": logits if args.dump_logits is not None else None,
+    }
     try:
-        for token in model.generate(
-            prompt,
-            args.gen,
-            use_cache=not args.no_cache,
-            stop_at_eos=not args.ignore_eos,
-            logits_out=logits if args.dump_logits is not None else None,
-            stats=stats,
-        ):
-            generated.append(token)
-            if streaming is not None and len(generated) == 1:
-                streaming.mark_prefill_done()
-            if not args.json and stream is not None:
-                out.write(stream.feed(token))
-                out.flush()
+        if text_out:
+            stream = model.complete(
+                prompt,
+                args.gen,
+                sampling=sampling,
+                state=state,
+                stop_at_eos=not args.ignore_eos,
+                stats=stats,
+                progress=None,
+                **gen_kwargs,
+            )
+            for piece in stream:
+                if streaming is not None and len(stream.tokens) == 1:
+                    streaming.mark_prefill_done()
+                if not args.json:
+                    out.write(piece)
+                    out.flush()
+                    live.update(_live_text(stats))
+            generated = stream.tokens
+            text, finish = stream.text, stream.finish_reason
+        else:
+            for token in model.generate(
+                prompt,
+                args.gen,
+                sampling=sampling,
+                state=state,
+                stop_at_eos=not args.ignore_eos,
+                stats=stats,
+                **gen_kwargs,
+            ):
+                generated.append(token)
+                if streaming is not None and len(generated) == 1:
+                    streaming.mark_prefill_done()
+            text, finish = None, ("stop" if generated and generated[-1] in model.eos_ids else "length")
     finally:
+        live.close()
         if streaming is not None:
             streaming.close()
+    if args.save_state is not None:
+        from .state_file import save_state
+
+        pending = generated[-1:] if generated and (args.ignore_eos or generated[-1] not in model.eos_ids) else []
+        save_state(args.save_state, model, state, pending)
     if args.dump_logits is not None:
         arr = np.stack(logits).astype(np.float32) if logits else np.zeros((0, model.vocab_size), np.float32)
         _save_npy(args.dump_logits, arr)
@@ -242,19 +408,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         _write_text(args.report, json.dumps(report, indent=2) + "\n")
     if trace is not None:
         _write_text(args.trace, "".join(json.dumps({"layer": la, "experts": ids}) + "\n" for la, ids in trace))
-    text = model.detokenize(generated) if model.tokenizer is not None else None
     if args.json:
         obj = {
             "model": str(path),
             "prompt_ids": prompt,
             "generated_ids": generated,
             "text": text,
+            "finish_reason": finish,
             "stats": {**stats.as_dict(), "threads": model.threads},
         }
         out.write(json.dumps(obj) + "\n")
     else:
-        assert stream is not None
-        out.write(stream.flush() + "\n")
+        out.write("\n")
         print(
             f"prompt: {stats.prompt_tokens} tokens in {stats.prefill_seconds:.3f} s "
             f"({stats.prefill_tokens_per_second:.1f} tok/s) | generated: {stats.generated_tokens} tokens, "
@@ -271,6 +436,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def _live_text(stats: GenerationStats) -> str:
+    n = stats.generated_tokens
+    rate = (n - 1) / stats.decode_seconds if n > 1 and stats.decode_seconds > 0 else 0.0
+    return f"moestream | prompt {stats.prompt_tokens} tok | generated {n} tok | {rate:.1f} tok/s"
 
 
 def _report(stats: GenerationStats, threads: int, streaming: Streaming | None) -> dict[str, Any]:
@@ -308,6 +479,96 @@ def _size(n: float, unit: str) -> str:
         if n >= div:
             return f"{n / div:.2f} {prefix}{unit}"
     return f"{n:.0f} {unit}"
+
+
+def load_for_serving(args: argparse.Namespace) -> tuple[Any, Streaming | None]:
+    """The model of chat/serve with its --ram/--preset budget attached (context: --ctx or 4096)."""
+    from .default_model import default_model_path
+    from .formats.packed import PackedStore
+    from .generate import load
+    from .runtime import planner
+
+    if args.list_presets:
+        for name, what in planner.PRESET_HELP.items():
+            print(f"{name:12s} {what}")
+        raise SystemExit(0)
+    budget = planner.resolve_budget(args.ram, args.preset)
+    path = Path(args.model) if args.model else default_model_path()
+    model = load(path, threads=args.threads, preload=False if budget is not None else None)
+    if model.tokenizer is None:
+        raise InputError(f"{path}: the model has no tokenizer (tokenizer.json or tiktoken.model)")
+    streaming = None
+    if budget is not None:
+        from .runtime.streaming import attach
+
+        if not isinstance(model.store, PackedStore):
+            raise InputError(f"{path}: --ram streams from a packed store; make one with `moestream pack {path} DST`")
+        ctx = getattr(args, "ctx", 4096)
+        streaming = attach(
+            model,
+            model.store,
+            budget,
+            context=ctx,
+            prompt_tokens=ctx,
+            policy=args.cache_policy,
+            prefetch=not args.no_prefetch,
+        )
+    return model, streaming
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import ChatSession
+
+    model, streaming = load_for_serving(args)
+    session = ChatSession(model, system=args.system, sampling=sampling_from_args(args), max_new_tokens=args.gen)
+    if args.history is not None and args.history.exists():
+        session.load_history(args.history)
+    elif args.history is not None and not args.history.parent.is_dir():
+        raise InputError(f"--history: directory {args.history.parent} does not exist")
+    tty = sys.stdin.isatty()
+    if tty:
+        try:
+            import readline  # noqa: F401  (line editing for input())
+        except ImportError:
+            pass
+        print(f"moestream chat: {model.path} ({session.template.name} template). /reset, /exit", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> " if tty else "")
+            except EOFError:
+                break
+            cmd = line.strip()
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                session.reset()
+                print("(conversation reset)", file=sys.stderr)
+                continue
+            if not cmd:
+                continue
+            n_before = len(session.messages)
+            stream, turn = session.send(line)
+            for piece in stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            session.finish()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if args.history is not None:
+                session.append_history(args.history, session.messages[n_before:])
+            if args.verbose:
+                g = turn.generation
+                how = "state rebuilt" if turn.rebuilt else f"{turn.kept_tokens} kept"
+                print(
+                    f"[prefilled {turn.prefilled_tokens} tokens ({how}) in {g.prefill_seconds:.3f} s | "
+                    f"{g.generated_tokens} tokens, {g.decode_tokens_per_second:.1f} tok/s]",
+                    file=sys.stderr,
+                )
+    finally:
+        if streaming is not None:
+            streaming.close()
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -403,19 +664,25 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+# command -> (module, function); modules are imported only for the command that runs
+COMMANDS = {
+    "run": (".cli", "cmd_run"),
+    "chat": (".cli", "cmd_chat"),
+    "serve": (".server", "cmd_serve"),
+    "doctor": (".doctor", "cmd_doctor"),
+    "bench": (".ladder", "cmd_bench"),
+    "inspect": (".cli", "cmd_inspect"),
+    "pack": (".cli", "cmd_pack"),
+    "synth": (".cli", "cmd_synth"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "synth":
-            return cmd_synth(args)
-        if args.command == "inspect":
-            return cmd_inspect(args)
-        if args.command == "pack":
-            return cmd_pack(args)
-        parser.error(f"unknown command {args.command}")
+        module, name = COMMANDS[args.command]
+        return int(getattr(importlib.import_module(module, __package__), name)(args))
     except MoeStreamError as e:
         sys.stdout.flush()
         print(f"moestream: error: {e}", file=sys.stderr)

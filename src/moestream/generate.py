@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +20,14 @@ import numpy as np
 
 from . import models
 from .config import ModelSpec
+from .console import prefill_progress
 from .errors import InputError
 from .formats.checkpoint import Checkpoint
 from .formats.packed import PackedStore, is_packed
 from .models.base import Ctx, State
 from .models.base import Model as Network
 from .runtime.planner import mem_available
+from .sampling import GREEDY, Sampler, SamplingParams, StopMatcher
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -124,31 +126,37 @@ class Model:
         prompt: list[int] | str,
         max_new_tokens: int = 32,
         *,
+        sampling: SamplingParams | None = None,
         use_cache: bool = True,
         stop_at_eos: bool = True,
         logits_out: list[np.ndarray] | None = None,
         state: State | None = None,
         stats: GenerationStats | None = None,
-    ) -> Iterator[int]:
-        """Greedy generation, yielding token ids as they are chosen. With use_cache=False every step
-        recomputes the whole sequence (for checking). logits_out, if given, receives the logits
-        [vocab] each token was chosen from; stats, if given, is filled in as generation goes."""
+        progress: bool | None = False,
+    ) -> Generator[int, None, None]:
+        """Generation, yielding token ids as they are chosen: greedy unless sampling says otherwise. With a
+        state the prompt continues it (only the prompt is prefilled) and the state keeps everything fed.
+        With use_cache=False every step recomputes the whole sequence (for checking). logits_out, if
+        given, receives the logits [vocab] each token was chosen from; stats, if given, is filled in as
+        generation goes; progress shows a bar over the layers for a long prefill (None: on a terminal)."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else self.check_ids(prompt)
         if max_new_tokens <= 0:
             return
+        sampler = Sampler(sampling or GREEDY)
         eos = set(self.eos_ids) if stop_at_eos else set()
         st = state if state is not None else self.new_state()
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(ids)
         seq = list(st.ids) + ids
         t0 = time.perf_counter()
-        if use_cache:
-            logits = self.decoder.forward(ids, st, self.ctx)[0]
-        else:
-            logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
+        with prefill_progress(self.decoder, len(ids), progress):
+            if use_cache:
+                logits = self.decoder.forward(ids, st, self.ctx)[0]
+            else:
+                logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
         stats.prefill_seconds = time.perf_counter() - t0
         for n in range(max_new_tokens):
-            token = int(np.argmax(logits))
+            token = sampler.sample(logits, seq)
             if logits_out is not None:
                 logits_out.append(logits)
             stats.generated_tokens = n + 1
@@ -163,12 +171,99 @@ class Model:
                 logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
             stats.decode_seconds += time.perf_counter() - t1
 
+    def complete(
+        self,
+        prompt: list[int] | str,
+        max_new_tokens: int = 32,
+        *,
+        sampling: SamplingParams | None = None,
+        state: State | None = None,
+        stop_at_eos: bool = True,
+        stats: GenerationStats | None = None,
+        progress: bool | None = False,
+        **generate_kwargs: Any,
+    ) -> TextStream:
+        """Text as it is generated, with stop strings applied: iterate for the pieces; afterwards the
+        stream holds tokens, text and finish_reason ("stop" for end of text or a stop string, "length")."""
+        stream = TextStream(self, prompt, max_new_tokens, sampling or GREEDY, state, stop_at_eos, stats, progress)
+        stream.generate_kwargs = generate_kwargs  # logits_out, use_cache
+        return stream
 
-def load(path: str | os.PathLike[str], threads: int | None = None, preload: bool | None = None) -> Model:
-    """Opens a checkpoint directory (config.json + safetensors + tokenizer). Weights are multiplied in
-    their stored format from a memory map; nothing is converted. preload=True reads and maps every page
-    at load time (no page faults while generating), False maps pages on first use, None (default)
-    preloads when the checkpoint takes less than 3/4 of the available memory."""
+
+class TextStream:
+    """Iterating yields text pieces; the end-of-text token is not part of the text."""
+
+    def __init__(
+        self,
+        model: Model,
+        prompt: list[int] | str,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        state: State | None,
+        stop_at_eos: bool,
+        stats: GenerationStats | None,
+        progress: bool | None,
+    ):
+        self.model, self.prompt, self.max_new_tokens = model, prompt, max_new_tokens
+        self.sampling, self.state, self.stop_at_eos, self.progress = sampling, state, stop_at_eos, progress
+        self.stats = stats if stats is not None else GenerationStats()
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.generate_kwargs: dict[str, Any] = {}
+
+    def __iter__(self) -> Iterator[str]:
+        model = self.model
+        decoder = model._need_tokenizer().stream()
+        stops = StopMatcher(self.sampling.stop)
+        eos = set(model.eos_ids) if self.stop_at_eos else set()
+        self.finish_reason = "length"
+        gen = model.generate(
+            self.prompt,
+            self.max_new_tokens,
+            sampling=self.sampling,
+            state=self.state,
+            stop_at_eos=self.stop_at_eos,
+            stats=self.stats,
+            progress=self.progress,
+            **self.generate_kwargs,
+        )
+        for token in gen:
+            self.tokens.append(token)
+            if token in eos:
+                self.finish_reason = "stop"
+                break
+            piece = stops.feed(decoder.feed(token))
+            if piece:
+                self.text += piece
+                yield piece
+            if stops.stopped:
+                self.finish_reason = "stop"
+                gen.close()
+                return
+        tail = stops.feed(decoder.flush()) + stops.flush()
+        if stops.stopped:
+            self.finish_reason = "stop"
+        if tail:
+            self.text += tail
+            yield tail
+
+    def run(self) -> TextStream:
+        for _ in self:
+            pass
+        return self
+
+
+def load(path: str | os.PathLike[str] | None = None, threads: int | None = None, preload: bool | None = None) -> Model:
+    """Opens a checkpoint directory (config.json + safetensors + tokenizer, or a packed store; None: the
+    embedded demo model). Weights are multiplied in their stored format from a memory map; nothing is
+    converted. preload=True reads and maps every page at load time (no page faults while generating), False
+    maps pages on first use, None (default) preloads when the checkpoint takes less than 3/4 of the
+    available memory."""
+    if path is None:
+        from .default_model import default_model_path
+
+        path = default_model_path()
     p = Path(path)
     store: Checkpoint | PackedStore
     if is_packed(p):
