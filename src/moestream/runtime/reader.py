@@ -78,3 +78,29 @@ class BlobReader:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         os.close(self.fd)
+
+
+def read_bandwidth(path: Path, block: int, seconds: float = 2.0, in_flight: int = 4) -> tuple[float, bool]:
+    """(GB/s, O_DIRECT?) of random aligned reads of `block` bytes from `path`, `in_flight` at a time, as
+    the expert cache reads. Blocks are drawn uniformly from the file; with O_DIRECT the page cache does
+    not help, without it (tmpfs) the number is a memory copy."""
+    size = os.path.getsize(path)
+    block = max(ALIGN, min(-(-block // ALIGN) * ALIGN, size // ALIGN * ALIGN))
+    if size < block:
+        raise ValueError(f"{path}: {size} bytes, too small to measure")
+    reader = BlobReader(Path(path), io_threads=in_flight)
+    bufs = [aligned_empty(block) for _ in range(in_flight)]
+    rng = np.random.default_rng(0)
+    top = (size - block) // ALIGN
+    total = 0
+    t0 = time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            offs = [int(o) * ALIGN for o in rng.integers(0, top + 1, in_flight)]
+            futs = [reader.submit(o, block, b) for o, b in zip(offs, bufs, strict=True)]
+            for f in futs:
+                f.result()
+            total += block * in_flight
+    finally:
+        reader.close()
+    return total / (time.perf_counter() - t0) / 1e9, reader.direct

@@ -126,17 +126,19 @@ class Streaming:
         self.reader.close()
 
 
-def attach(
-    model: Any,
-    store: PackedStore,
-    budget: int,
-    context: int,
-    prompt_tokens: int,
-    policy: str = DEFAULT_POLICY,
-    prefetch: bool = True,
-) -> Streaming:
-    """Plans the budget for a context of `context` tokens (the longest prompt chunk: prompt_tokens) and
-    switches the model's experts and trunk to streaming. Refuses (InputError) a budget that cannot fit."""
+@dataclass
+class Layout:
+    """What planning needs to know of a model in a packed store: a template per (layer, expert), the
+    slot size, the trunk parts and the top-k."""
+
+    layers: list[tuple[int, Any]]
+    templates: dict[tuple[int, int], Template]
+    slot_bytes: int
+    groups: dict[str, tuple[int, int]]
+    top_k: int
+
+
+def layout(model: Any, store: PackedStore) -> Layout:
     decoder = model.decoder
     layers = moe_layers(decoder)
     blobs = store.manifest.get("expert_blobs", {})
@@ -155,33 +157,55 @@ def attach(
             templates[(i, e)] = template_of(ex, b["offset"], b["nbytes"], map_addr, map_size)
     slot_bytes = max(t.nbytes for t in templates.values())
     slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
-    groups = trunk_groups(store)
-    sizes = {g: b - a for g, (a, b) in groups.items()}
+    return Layout(layers, templates, slot_bytes, trunk_groups(store), top_k)
+
+
+def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_tokens: int) -> Plan:
+    """The plan of `budget` for a context of `context` tokens (the longest prompt chunk: prompt_tokens);
+    InputError when it cannot fit."""
+    decoder = model.decoder
+    sizes = {g: b - a for g, (a, b) in lay.groups.items()}
     state = model.new_state()
     kv = sum(cache_bytes(c, context) for c in state.caches)
     E = int(decoder.embed.cols)
     V = int(model.vocab_size)
-    inter = max((t.expert.gate.rows for t in templates.values()), default=E)
+    inter = max((t.expert.gate.rows for t in lay.templates.values()), default=E)
     T = max(1, prompt_tokens)
     heads = int(getattr(model.spec, "num_attention_heads", 0) or 32)
     scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * heads * T * T * 4  # + scores [H, T, T]
-    plan = make_plan(budget, sizes, slot_bytes, len(templates), top_k, kv, scratch, context)
+    plan = make_plan(budget, sizes, lay.slot_bytes, len(lay.templates), lay.top_k, kv, scratch, context)
     plan.overhead = rss_now()
+    return plan
+
+
+def attach(
+    model: Any,
+    store: PackedStore,
+    budget: int,
+    context: int,
+    prompt_tokens: int,
+    policy: str = DEFAULT_POLICY,
+    prefetch: bool = True,
+) -> Streaming:
+    """Plans the budget for a context of `context` tokens (the longest prompt chunk: prompt_tokens) and
+    switches the model's experts and trunk to streaming. Refuses (InputError) a budget that cannot fit."""
+    lay = layout(model, store)
+    plan = plan_budget(model, lay, budget, context, prompt_tokens)
     reader = BlobReader(store.path / store.manifest["files"]["experts"])
     if not reader.direct:
         plan.notes.append("O_DIRECT refused by the file system: buffered reads (the page cache is used)")
-    cache = ExpertCache(reader, templates, plan.expert_slots, slot_bytes, make_policy(policy))
-    group = max(top_k, plan.expert_slots - 1)
+    cache = ExpertCache(reader, lay.templates, plan.expert_slots, lay.slot_bytes, make_policy(policy))
+    group = max(lay.top_k, plan.expert_slots - 1)
     streamed = []
-    for i, moe in layers:
+    for i, moe in lay.layers:
         se = StreamedExperts(cache, i, len(moe.experts), group)
         moe.experts = se
         streamed.append((moe, se))
     if prefetch:
         for (_, se), (nxt_moe, nxt_se) in itertools.pairwise(streamed):
             se.next = (nxt_moe.router, nxt_se)
-    trunk = TrunkStreamer(store, groups, plan.pinned)
-    decoder.hooks = trunk
+    trunk = TrunkStreamer(store, lay.groups, plan.pinned)
+    model.decoder.hooks = trunk
     return Streaming(plan, cache, reader, trunk)
 
 

@@ -1,0 +1,166 @@
+"""`moestream doctor`: what this machine offers a model and which budget to run it with.
+
+CPU (model, cores, the SIMD paths the kernels can use), memory (total, available, the cgroup limit), the
+memory read bandwidth the kernels see and the O_DIRECT read bandwidth of the model's disk; then, for a
+packed store, the plan each preset would make and an estimate of its seconds per token:
+
+    estimate = bytes read per token / disk bandwidth + active weight bytes per token / memory bandwidth
+
+where the bytes read per token assume uniform routing (a token's expert is cached with probability
+slots / experts) and the unpinned trunk is read once per token. It is an estimate; `moestream bench`
+measures."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from . import _C
+from .errors import InputError
+from .runtime import planner
+from .runtime.reader import aligned_empty, read_bandwidth
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def mem_total() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def memory_bandwidth(threads: int) -> float:
+    """GB/s of a 256 MiB read by the kernels' own memory-read loop."""
+    buf = aligned_empty(256 << 20)
+    buf[:] = 1
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        _C.memread(buf, threads)
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best / 1e9
+
+
+def machine_facts(threads: int) -> dict[str, Any]:
+    return {
+        "cpu": cpu_model(),
+        "cores": threads,
+        "simd": _C.supported_isas(),
+        "kernel_path": _C.get_isa(),
+        "mem_total": mem_total(),
+        "mem_available": planner.mem_available(),
+        "cgroup_limit": planner.cgroup_limit(),
+        "memory_read_gb_s": memory_bandwidth(threads),
+    }
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def estimate(model: Any, lay: Any, plan: planner.Plan, disk_gb_s: float, mem_gb_s: float) -> dict[str, float]:
+    """Expected bytes read and seconds per decoded token under `plan` (uniform routing)."""
+    moe_layers = len(lay.layers)
+    miss = 1 - min(1.0, plan.expert_slots / max(1, plan.n_experts))
+    expert_read = moe_layers * lay.top_k * lay.slot_bytes * miss
+    sizes = {g: b - a for g, (a, b) in lay.groups.items() if g != "embed"}
+    trunk_read = sum(n for g, n in sizes.items() if g not in plan.pinned)
+    active = moe_layers * lay.top_k * lay.slot_bytes + sum(sizes.values())
+    read = expert_read + trunk_read
+    seconds = read / (disk_gb_s * 1e9) + active / (mem_gb_s * 1e9)
+    return {"read_bytes_per_token": read, "active_bytes_per_token": active, "seconds_per_token": seconds}
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .default_model import default_model_path
+    from .formats.packed import PackedStore
+    from .generate import default_threads, load
+
+    threads = default_threads()
+    facts = machine_facts(threads)
+    print(
+        f"cpu: {facts['cpu']}, {threads} cores; kernel paths {', '.join(facts['simd'])} (using {facts['kernel_path']})"
+    )
+    limit = facts["cgroup_limit"]
+    print(
+        f"memory: {_gb(facts['mem_total'])} total, {_gb(facts['mem_available'])} available, cgroup limit "
+        f"{_gb(limit) if limit else 'none'}; kernels read memory at {facts['memory_read_gb_s']:.1f} GB/s"
+    )
+    path = Path(args.model) if args.model else default_model_path()
+    if not path.exists():
+        raise InputError(f"model directory {path} does not exist")
+    model = load(path, preload=False)
+    store = model.store
+    files = sorted((p for p in path.iterdir() if p.suffix in (".bin", ".safetensors")), key=lambda p: p.stat().st_size)
+    if not files:
+        raise InputError(f"{path}: no weight files to measure")
+    packed = isinstance(store, PackedStore)
+    if packed:
+        from .runtime.streaming import layout
+
+        lay = layout(model, store)
+        target, block = path / store.manifest["files"]["experts"], lay.slot_bytes
+    else:
+        lay, target, block = None, files[-1], 4 << 20
+    gbs, direct = read_bandwidth(target, block, seconds=args.seconds)
+    how = "O_DIRECT" if direct else "buffered (O_DIRECT refused: the number includes the page cache)"
+    print(f"disk: {gbs:.2f} GB/s random {block / 2**20:.1f} MiB reads of {target.name}, 4 in flight, {how}")
+    print(f"model: {path} ({model.spec.model_type}), {_gb(store.nbytes)} of weights")
+    if lay is None:
+        print("not a packed store: it runs resident (make one with `moestream pack` to stream under --ram)")
+        return 0
+    avail = min(x for x in (facts["mem_available"], limit) if x) if (limit or facts["mem_available"]) else 0
+    rows: list[tuple[str, int, planner.Plan | None, dict[str, float] | None]] = []
+    for name in [*planner.PRESETS, "auto"]:
+        budget = planner.resolve_budget(None, name)
+        assert budget is not None
+        try:
+            plan = planner_plan(model, lay, budget)
+        except InputError:
+            rows.append((name, budget, None, None))
+            continue
+        rows.append((name, budget, plan, estimate(model, lay, plan, gbs, facts["memory_read_gb_s"])))
+    print(f"\n{'preset':<12} {'budget':>11} {'expert slots':>16} {'GB read/token':>14} {'est. s/token':>13}")
+    best = None
+    for name, budget, maybe_plan, est in rows:
+        if maybe_plan is None or est is None:
+            print(f"{name:<12} {_gb(budget):>11} {'too small':>16}")
+            continue
+        fits = budget <= avail * 0.9 or name == "auto"
+        slots = f"{maybe_plan.expert_slots}/{maybe_plan.n_experts}"
+        print(
+            f"{name:<12} {_gb(budget):>11} {slots:>16} {est['read_bytes_per_token'] / 1e9:>14.3f} "
+            f"{est['seconds_per_token']:>13.3f}{'' if fits else '  (more than this machine has)'}"
+        )
+        if fits and (best is None or est["seconds_per_token"] < best[2]["seconds_per_token"]):
+            best = (name, budget, est)
+    if best is None:
+        print("\nrecommendation: none of the presets fits this machine; the model cannot stream here")
+        return 1
+    name, budget, est = best
+    print(
+        f"\nrecommendation: --preset {name} ({_gb(budget)}): about {est['seconds_per_token']:.3f} s/token "
+        f"({1 / est['seconds_per_token']:.1f} tok/s), estimated"
+    )
+    return 0
+
+
+def planner_plan(model: Any, lay: Any, budget: int) -> planner.Plan:
+    from .runtime.streaming import plan_budget
+
+    return plan_budget(model, lay, budget, context=4096, prompt_tokens=512)

@@ -1,0 +1,97 @@
+"""`moestream bench` (the memory ladder, its table, JSON and PNG) and `moestream doctor` on a synthetic
+packed kimi_k3; the prefill progress bar and the live status line change nothing that is computed."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import moestream
+from moestream.console import LiveStatus, prefill_progress
+from moestream.formats.packed import pack
+from moestream.synth import synth
+from test_cli import assert_user_error, cli
+
+SMALL_K3 = dict(num_hidden_layers=4, num_experts=32, num_experts_per_token=2, routed_expert_hidden_size=128,
+                moe_intermediate_size=256)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def k3_pack(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ladder")
+    src = synth("kimi_k3", root / "src", SMALL_K3, seed=3, progress=False)
+    return pack(src, root / "packed", experts="keep", trunk="keep", progress=False)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert data.endswith(b"IEND\xaeB`\x82")  # the closing chunk: the file is complete
+    return struct.unpack(">II", data[16:24])
+
+
+def test_memory_ladder_table_json_and_png(k3_pack, tmp_path):
+    refused = cli("bench", str(k3_pack), "--ram", "1M", "--gen", "3", "--prompt-tokens", "4")
+    m = re.search(r"needs at least (\d+) MB", refused.stdout)
+    assert refused.returncode == 1 and m, refused.stdout + refused.stderr
+    low = int(m.group(1)) + 1
+    budgets = f"{low}M,{2 * low}M,max"
+    png, rows_json = tmp_path / "ladder.png", tmp_path / "ladder.json"
+    p = cli("bench", str(k3_pack), "--ram", budgets, "--gen", "6", "--prompt-tokens", "8", "--threads", "1",
+            "--plot", str(png), "--json", str(rows_json))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "generated ids identical at every budget: yes" in p.stdout
+    rows = json.loads(rows_json.read_text())
+    assert [r["budget"] for r in rows] == budgets.split(",")
+    assert rows[0]["hit_rate"] <= rows[1]["hit_rate"] <= rows[2]["hit_rate"] == 1.0
+    assert rows[0]["gb_read_per_token"] >= rows[1]["gb_read_per_token"] > 0 == rows[2]["gb_read_per_token"]
+    w, h = png_size(png)
+    assert w > 300 and h > 200
+    import matplotlib.image
+
+    img = matplotlib.image.imread(png)
+    assert img.shape[:2] == (h, w) and float(np.std(img)) > 0.01  # not blank
+
+
+def test_bench_refuses_what_it_cannot_run(tmp_path, k3_pack):
+    assert_user_error(cli("bench", str(tmp_path / "none"), "--ram", "1G"), "does not exist")
+    assert_user_error(cli("bench", str(moestream.load().path), "--ram", "1G"), "moestream pack")
+    assert_user_error(cli("bench", str(k3_pack), "--ram", "lots"), "--ram")
+    assert_user_error(cli("bench", str(k3_pack), "--ram", "1G", "--plot", str(tmp_path / "x" / "p.png")), "--plot")
+
+
+def test_doctor_reports_the_machine_and_recommends_a_preset(k3_pack):
+    p = cli("doctor", str(k3_pack), "--seconds", "0.3")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "cores" in out and "scalar" in out
+    assert re.search(r"disk: [0-9.]+ GB/s random", out)
+    assert re.search(r"recommendation: --preset \w+ \([0-9.]+ GiB\): about [0-9.]+ s/token", out)
+    p = cli("doctor", "--seconds", "0.2")  # the demo model: resident, no ladder
+    assert p.returncode == 0 and "not a packed store" in p.stdout
+
+
+def test_progress_and_live_status_do_not_change_results(capsys):
+    m = moestream.load()
+    ids = m.tokenize("def f(x):\n    return x * 2\n" * 4)
+    plain = m.decoder.forward(ids, m.new_state(), m.ctx, all_logits=True)
+    with prefill_progress(m.decoder, len(ids), show=True):
+        shown = m.decoder.forward(ids, m.new_state(), m.ctx, all_logits=True)
+    assert m.decoder.hooks is None
+    assert np.array_equal(plain, shown)
+    assert "prefill" in capsys.readouterr().err
+    buf = io.StringIO()
+    live = LiveStatus(buf, enabled=True)
+    live.update("12.0 tok/s", force=True)
+    live.close()
+    text = buf.getvalue()
+    assert "12.0 tok/s" in text and "\x1b[r" in text  # drawn, then the scroll region reset
+    quiet = io.StringIO()
+    LiveStatus(quiet).update("x", force=True)  # not a terminal: nothing written
+    assert quiet.getvalue() == ""
