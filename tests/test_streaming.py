@@ -181,3 +181,23 @@ def test_parse_size():
     assert parse_size("8G") == 8 << 30 and parse_size("512M") == 512 << 20 and parse_size("1.5GiB") == 3 << 29
     with pytest.raises(Exception, match="cannot read"):
         parse_size("lots")
+
+
+def test_a_large_lm_head_streams_in_chunks_with_identical_output(tmp_path):
+    """A vocabulary much larger than a layer: at the minimum budget the head is not pinned and is read
+    in row chunks no larger than a layer, and nothing the model computes changes."""
+    cfg = dict(num_hidden_layers=2, hidden_size=128, vocab_size=32768, num_experts=16, moe_intermediate_size=64,
+               intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
+    src = synth("qwen3_moe", tmp_path / "src", cfg, seed=5, progress=False)
+    packed = pack(src, tmp_path / "packed", experts="q8_0", trunk="keep", progress=False)
+    ids, logits, _ = run(packed, tmp_path, "resident", "--threads", "2")
+    low = _minimum_budget(packed)
+    got_ids, got_logits, rep = run(packed, tmp_path, "low", "--ram", f"{low}M", "--threads", "2")
+    assert (got_ids, got_logits) == (ids, logits)
+    plan = rep["plan"]
+    assert "head" not in plan["pinned"]
+    notes = [n for n in plan["notes"] if n.startswith("lm_head streamed in")]
+    assert notes and int(notes[0].split()[3]) >= 4, plan["notes"]
+    head_bytes = 32768 * 128 * 2
+    assert plan["stream_bytes"] < head_bytes / 2  # the whole head is never needed at once
+    assert rep["peak_rss"] <= plan["overhead"] + plan["budget"]

@@ -86,6 +86,29 @@ class Weight:
             check(self)
 
     @property
+    def row_align(self) -> int:
+        """Row slices must start at a multiple of this (fp8 scales cover 128 rows)."""
+        return FP8_BLOCK if self.fmt.name == "fp8" else 1
+
+    def row_slice(self, r0: int, r1: int) -> Weight:
+        """Rows [r0, r1) as a Weight over the same bytes (no copy); each output row is computed the same
+        way as in the whole matrix, so a product by slices equals the product by the whole."""
+        if r0 % self.row_align or not 0 <= r0 < r1 <= self.rows:
+            raise ValueError(f"bad row slice [{r0}, {r1}) of {self.rows} rows (aligned to {self.row_align})")
+        w = Weight.__new__(Weight)
+        w.fmt, w.rows, w.cols = self.fmt, r1 - r0, self.cols
+        w.data = self.data[r0:r1]
+        if self.scales is None:
+            w.scales = None
+        elif self.fmt.name == "fp8":
+            w.scales = self.scales[r0 // FP8_BLOCK : -(-r1 // FP8_BLOCK)]
+        else:
+            w.scales = self.scales[r0:r1]
+        w._check = self._check
+        w._validate = self._check if self._validate is not None else None
+        return w
+
+    @property
     def nbytes(self) -> int:
         return int(self.data.nbytes) + (int(self.scales.nbytes) if self.scales is not None else 0)
 

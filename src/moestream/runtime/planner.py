@@ -29,6 +29,9 @@ PRESET_HELP = {
     "auto": "80% of what this machine (or its memory cgroup) has available",
 }
 SCRATCH_BASE = 2 * MB
+# What the process adds after planning besides the plan's buffers: library code paged in by the first
+# forward pass and Python heap growth (measured 4-8 MB on the test models); stated in the overhead.
+RUNTIME_GROWTH = 12 * MB
 
 
 def parse_size(text: str) -> int:
@@ -141,7 +144,7 @@ class Plan:
     expert_slots: int
     slot_bytes: int
     n_experts: int  # routed experts in the whole model
-    overhead: int = 0  # RSS of the process before the plan's buffers (interpreter, libraries, tokenizer)
+    overhead: int = 0  # RSS before the plan's buffers (interpreter, libraries, tokenizer) + RUNTIME_GROWTH
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -180,12 +183,19 @@ def make_plan(
     kv_bytes: int,
     scratch_bytes: int,
     context: int,
+    chunks: dict[str, int] | None = None,
 ) -> Plan:
     """groups: trunk parts ("embed", "layer.N", "head") -> bytes. The embedding is read by rows (a
     page per row) and never pinned; the others are pinned largest first while they fit beside the
-    minimum expert cache (top_k + 1 slots); what is left goes to more expert slots."""
+    minimum expert cache (top_k + 1 slots); what is left goes to more expert slots. chunks: parts that
+    stream in pieces (the lm_head) -> the size of a piece, which is all they need in flight."""
     stream_groups = {g: n for g, n in groups.items() if g != "embed"}
-    biggest = sorted(stream_groups.values(), reverse=True)
+    chunks = chunks or {}
+
+    def in_flight(g: str) -> int:
+        return min(stream_groups[g], chunks.get(g, stream_groups[g]))
+
+    biggest = sorted((in_flight(g) for g in stream_groups), reverse=True)
     stream_room = sum(biggest[:2])  # the part running and the one read ahead
     min_slots = top_k + 1
     fixed = kv_bytes + scratch_bytes
@@ -209,13 +219,13 @@ def make_plan(
     pinned_bytes = 0
     unpinned = dict(stream_groups)
     for g, n in sorted(stream_groups.items(), key=lambda kv: -kv[1]):
-        rest = sorted((v for k, v in unpinned.items() if k != g), reverse=True)
+        rest = sorted((in_flight(k) for k in unpinned if k != g), reverse=True)
         need = pinned_bytes + n + sum(rest[:2])
         if need <= room:
             pinned.append(g)
             pinned_bytes += n
             del unpinned[g]
-    rest = sorted(unpinned.values(), reverse=True)
+    rest = sorted((in_flight(k) for k in unpinned), reverse=True)
     stream_bytes = sum(rest[:2])
     left = budget - fixed - pinned_bytes - stream_bytes
     slots = max(min_slots, min(n_experts, left // slot_bytes))

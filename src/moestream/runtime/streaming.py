@@ -11,11 +11,13 @@ import mmap
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..errors import InputError
 from ..formats.packed import PackedStore, _group_key
 from ..models.base import Expert
 from .expert_cache import ExpertCache, StreamedExperts, Template, template_of
-from .planner import SCRATCH_BASE, Plan, cache_bytes, make_plan, rss_now
+from .planner import RUNTIME_GROWTH, SCRATCH_BASE, Plan, cache_bytes, make_plan, rss_now
 from .policies import DEFAULT_POLICY, make_policy
 from .reader import ALIGN, BlobReader
 
@@ -56,13 +58,86 @@ def moe_layers(decoder: Any) -> list[tuple[int, Any]]:
     return [(i, layer.ffn) for i, layer in enumerate(layers) if hasattr(layer.ffn, "experts")]
 
 
+def _span(arr: Any, base: int) -> tuple[int, int]:
+    """[start, end) of an array's bytes as offsets into the map at address base."""
+    start = int(arr.ctypes.data) - base
+    return start, start + int(arr.nbytes)
+
+
+class ChunkedHead:
+    """The lm_head streamed in row chunks: while chunk k is multiplied, chunk k+1 is read ahead
+    (WILLNEED), and chunk k is dropped (DONTNEED) after. Each logit is computed exactly as by the whole
+    matrix (the kernels compute every output row the same way whatever rows share the call)."""
+
+    def __init__(self, weight: Any, rows_per_chunk: int, mm: Any, base: int):
+        self.weight, self.mm, self.base = weight, mm, base
+        self.rows, self.cols = weight.rows, weight.cols
+        self.chunks = [(r, min(r + rows_per_chunk, weight.rows)) for r in range(0, weight.rows, rows_per_chunk)]
+
+    def spans(self, k: int) -> list[tuple[int, int]]:
+        r0, r1 = self.chunks[k]
+        w = self.weight.row_slice(r0, r1)
+        out = [_span(w.data, self.base)]
+        if w.scales is not None:
+            out.append(_span(w.scales, self.base))
+        return out
+
+    def advise(self, k: int, opt: int) -> None:
+        if self.mm is None:
+            return
+        for a, b in self.spans(k):
+            a, b = a - a % ALIGN, min(-(-b // ALIGN) * ALIGN, len(self.mm))
+            if b > a:
+                with contextlib.suppress(OSError, ValueError):
+                    self.mm.madvise(opt, a, b - a)
+
+    def matmul(self, x: Any, threads: int = 1) -> Any:
+        """x [T, cols] -> logits [T, rows], chunk by chunk."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim == 1:
+            x = x[None]
+        out = np.empty((x.shape[0], self.rows), np.float32)
+        for k, (r0, r1) in enumerate(self.chunks):
+            if k + 1 < len(self.chunks):
+                self.advise(k + 1, mmap.MADV_WILLNEED)
+            out[:, r0:r1] = self.weight.row_slice(r0, r1).matmul(x, threads)
+            self.advise(k, mmap.MADV_DONTNEED)
+        return out
+
+
+def head_chunk_rows(weight: Any, chunk_bytes: int) -> int:
+    per_row = max(1, weight.nbytes // max(1, weight.rows))
+    align = weight.row_align
+    return max(align, chunk_bytes // per_row // align * align)
+
+
+def chunkable_head(decoder: Any, store: PackedStore) -> Any:
+    """The decoder's lm_head Weight if it lies in the trunk map (so it can stream in chunks), else None."""
+    w = getattr(decoder, "lm_head", None)
+    trunk = store.maps.get("trunk")
+    if w is None or trunk is None or not hasattr(w, "row_slice"):
+        return None
+    base, size = int(trunk.ctypes.data), int(trunk.size)
+    for arr in (w.data, w.scales):
+        if arr is not None and not 0 <= int(arr.ctypes.data) - base <= size - int(arr.nbytes):
+            return None
+    return w
+
+
 class TrunkStreamer:
     """TrunkHooks: pinned parts are read once at start; an unpinned part is read ahead (WILLNEED) when
     the part before it starts and dropped from this process's memory (DONTNEED) once it has run."""
 
-    def __init__(self, store: PackedStore, groups: dict[str, tuple[int, int]], pinned: list[str]):
+    def __init__(
+        self,
+        store: PackedStore,
+        groups: dict[str, tuple[int, int]],
+        pinned: list[str],
+        chunked: dict[str, ChunkedHead] | None = None,
+    ):
         self.mm = getattr(store.maps["trunk"], "_mmap", None)
         self.groups, self.pinned = groups, set(pinned)
+        self.chunked = chunked or {}
         self.order = sorted(groups, key=lambda g: _group_key(g.replace("layer.", "layers.") + "."))
         self.next = {g: self.order[i + 1] for i, g in enumerate(self.order[:-1])}
         self.next[self.order[-1]] = self.order[0]
@@ -86,7 +161,10 @@ class TrunkStreamer:
     def enter(self, group: str) -> None:
         nxt = self.next.get(group)
         if nxt is not None and nxt not in self.pinned:
-            self._advise(nxt, mmap.MADV_WILLNEED)
+            if nxt in self.chunked:  # a part read in chunks: only its first chunk ahead
+                self.chunked[nxt].advise(0, mmap.MADV_WILLNEED)
+            else:
+                self._advise(nxt, mmap.MADV_WILLNEED)
 
     def leave(self, group: str) -> None:
         if group not in self.pinned:
@@ -136,6 +214,7 @@ class Layout:
     slot_bytes: int
     groups: dict[str, tuple[int, int]]
     top_k: int
+    head_chunk_bytes: int = 0  # > 0: the lm_head can stream in chunks of about this size
 
 
 def layout(model: Any, store: PackedStore) -> Layout:
@@ -157,7 +236,15 @@ def layout(model: Any, store: PackedStore) -> Layout:
             templates[(i, e)] = template_of(ex, b["offset"], b["nbytes"], map_addr, map_size)
     slot_bytes = max(t.nbytes for t in templates.values())
     slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
-    return Layout(layers, templates, slot_bytes, trunk_groups(store), top_k)
+    groups = trunk_groups(store)
+    head = chunkable_head(decoder, store)
+    chunk = 0
+    if head is not None and "head" in groups:
+        # a chunk as large as the largest layer part: the head then never sets the streaming room
+        layer_max = max((b - a for g, (a, b) in groups.items() if g.startswith("layer.")), default=0)
+        rows = head_chunk_rows(head, max(layer_max, ALIGN))
+        chunk = -(-rows * max(1, head.nbytes // max(1, head.rows)) // ALIGN) * ALIGN + 2 * ALIGN
+    return Layout(layers, templates, slot_bytes, groups, top_k, chunk)
 
 
 def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_tokens: int) -> Plan:
@@ -173,8 +260,9 @@ def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_token
     T = max(1, prompt_tokens)
     heads = int(getattr(model.spec, "num_attention_heads", 0) or 32)
     scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * heads * T * T * 4  # + scores [H, T, T]
-    plan = make_plan(budget, sizes, lay.slot_bytes, len(lay.templates), lay.top_k, kv, scratch, context)
-    plan.overhead = rss_now()
+    chunks = {"head": lay.head_chunk_bytes} if lay.head_chunk_bytes else None
+    plan = make_plan(budget, sizes, lay.slot_bytes, len(lay.templates), lay.top_k, kv, scratch, context, chunks)
+    plan.overhead = rss_now() + RUNTIME_GROWTH
     return plan
 
 
@@ -204,7 +292,15 @@ def attach(
     if prefetch:
         for (_, se), (nxt_moe, nxt_se) in itertools.pairwise(streamed):
             se.next = (nxt_moe.router, nxt_se)
-    trunk = TrunkStreamer(store, lay.groups, plan.pinned)
+    chunked: dict[str, ChunkedHead] = {}
+    head = chunkable_head(model.decoder, store)
+    if lay.head_chunk_bytes and head is not None and "head" not in plan.pinned:
+        rows = head_chunk_rows(head, lay.head_chunk_bytes - 2 * ALIGN)
+        trunk_map = store.maps["trunk"]
+        chunked["head"] = ChunkedHead(head, rows, getattr(trunk_map, "_mmap", None), int(trunk_map.ctypes.data))
+        model.decoder.lm_head = chunked["head"]
+        plan.notes.append(f"lm_head streamed in {len(chunked['head'].chunks)} chunks of {rows} rows")
+    trunk = TrunkStreamer(store, lay.groups, plan.pinned, chunked)
     model.decoder.hooks = trunk
     return Streaming(plan, cache, reader, trunk)
 
