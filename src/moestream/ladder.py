@@ -84,13 +84,13 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax2.set_ylabel("expert cache hit rate (%)")
     ax2.set_ylim(0, 105)
     for i, r in enumerate(ok):
-        ax1.annotate(
-            f"{r['gb_read_per_token']:.3f} GB/tok", (i, r["seconds_per_token"]), ha="center", va="bottom", fontsize=8
-        )
+        gb = r["gb_read_per_token"]
+        label = f"{gb:.2f} GB/tok" if gb >= 1 else f"{1000 * gb:.1f} MB/tok"
+        ax1.annotate(label, (i, r["seconds_per_token"]), ha="center", va="bottom", fontsize=8)
     ax1.set_title(title, fontsize=10)
     h1, l1 = ax1.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax1.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
+    ax1.legend(h1 + h2, l1 + l2, loc="upper center", fontsize=8)
     fig.tight_layout()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)
