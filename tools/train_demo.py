@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         model.update_router_bias(1e-3)
         step += 1
         tokens_done += ids[:, :-1].numel()
-        rec = {"step": step, "loss": round(float(loss), 5), "gnorm": round(gnorm, 4), "lr": lr}
+        rec = {"step": step, "loss": round(float(loss.detach()), 5), "gnorm": round(gnorm, 4), "lr": lr}
         rec["tok_s"] = round(tokens_done / (time.time() - t0), 1)
         if step % args.eval_every == 0 or step == args.steps:
             rec["held_out_bpb"] = round(bits_per_byte(model, corpus, args.seq, args.eval_windows), 4)
