@@ -33,8 +33,9 @@ class _LayerProgress:
 
 
 @contextmanager
-def prefill_progress(decoder: Any, tokens: int, show: bool | None) -> Iterator[None]:
-    """A bar over the layers while `tokens` are prefilled; show=None: only on a terminal for long prompts."""
+def prefill_progress(decoder: Any, tokens: int, show: bool | None, passes: int = 1) -> Iterator[None]:
+    """A bar over the layers of `passes` forward passes while `tokens` are prefilled; show=None: only on
+    a terminal for long prompts."""
     if show is None:
         show = tokens >= PREFILL_BAR_TOKENS and sys.stderr.isatty()
     layers = len(getattr(decoder, "blocks", None) or getattr(decoder, "layers", []))
@@ -44,7 +45,9 @@ def prefill_progress(decoder: Any, tokens: int, show: bool | None) -> Iterator[N
     from tqdm import tqdm
 
     inner = decoder.hooks
-    with tqdm(total=layers, desc=f"prefill {tokens} tokens", unit="layer", leave=False, file=sys.stderr) as bar:
+    with tqdm(
+        total=layers * max(1, passes), desc=f"prefill {tokens} tokens", unit="layer", leave=False, file=sys.stderr
+    ) as bar:
         decoder.hooks = _LayerProgress(inner, bar)
         try:
             yield

@@ -30,6 +30,10 @@ from .runtime.planner import mem_available
 from .sampling import GREEDY, Sampler, SamplingParams, StopMatcher
 from .tokenizer import Tokenizer, load_tokenizer
 
+# Prompts are prefilled in chunks of this many tokens, at every budget and when resident, so that the
+# activation scratch is bounded whatever the prompt length and results never depend on the budget.
+PREFILL_CHUNK = 256
+
 
 def default_threads() -> int:
     try:
@@ -149,9 +153,10 @@ class Model:
         stats.prompt_tokens = len(ids)
         seq = list(st.ids) + ids
         t0 = time.perf_counter()
-        with prefill_progress(self.decoder, len(ids), progress):
+        with prefill_progress(self.decoder, len(ids), progress, passes=-(-len(ids) // PREFILL_CHUNK)):
             if use_cache:
-                logits = self.decoder.forward(ids, st, self.ctx)[0]
+                for c in range(0, len(ids), PREFILL_CHUNK):
+                    logits = self.decoder.forward(ids[c : c + PREFILL_CHUNK], st, self.ctx)[0]
             else:
                 logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
         stats.prefill_seconds = time.perf_counter() - t0

@@ -257,9 +257,12 @@ def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_token
     E = int(decoder.embed.cols)
     V = int(model.vocab_size)
     inter = max((t.expert.gate.rows for t in lay.templates.values()), default=E)
-    T = max(1, prompt_tokens)
+    from ..generate import PREFILL_CHUNK
+
+    T = max(1, min(prompt_tokens, PREFILL_CHUNK))  # the largest batch a forward pass sees
     heads = int(getattr(model.spec, "num_attention_heads", 0) or 32)
-    scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * heads * T * T * 4  # + scores [H, T, T]
+    S = max(T, context)
+    scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * heads * T * S * 4  # + scores [H, T, S]
     chunks = {"head": lay.head_chunk_bytes} if lay.head_chunk_bytes else None
     plan = make_plan(budget, sizes, lay.slot_bytes, len(lay.templates), lay.top_k, kv, scratch, context, chunks)
     plan.overhead = rss_now() + RUNTIME_GROWTH
