@@ -144,6 +144,7 @@ class Plan:
     expert_slots: int
     slot_bytes: int
     n_experts: int  # routed experts in the whole model
+    derived_bytes: int = 0  # arrays made from weights at run time (MLA absorbed-decode f32 copies)
     overhead: int = 0  # RSS before the plan's buffers (interpreter, libraries, tokenizer) + RUNTIME_GROWTH
     notes: list[str] = field(default_factory=list)
 
@@ -153,7 +154,8 @@ class Plan:
 
     @property
     def used(self) -> int:
-        return self.kv_bytes + self.scratch_bytes + self.pinned_bytes + self.stream_bytes + self.expert_cache_bytes
+        fixed = self.kv_bytes + self.scratch_bytes + self.derived_bytes
+        return fixed + self.pinned_bytes + self.stream_bytes + self.expert_cache_bytes
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -170,7 +172,7 @@ class Plan:
             f"{mb(self.expert_cache_bytes)} ({self.expert_slots}/{self.n_experts} experts), trunk pinned "
             f"{mb(self.pinned_bytes)} of {mb(self.trunk_bytes)} ({len(self.pinned)} parts) + streaming "
             f"{mb(self.stream_bytes)}, KV/state {mb(self.kv_bytes)} for {self.context} tokens, scratch "
-            f"{mb(self.scratch_bytes)}; overhead {mb(self.overhead)} on top"
+            f"{mb(self.scratch_bytes)}, derived {mb(self.derived_bytes)}; overhead {mb(self.overhead)} on top"
         )
 
 
@@ -184,6 +186,7 @@ def make_plan(
     scratch_bytes: int,
     context: int,
     chunks: dict[str, int] | None = None,
+    derived_bytes: int = 0,
 ) -> Plan:
     """groups: trunk parts ("embed", "layer.N", "head") -> bytes. The embedding is read by rows (a
     page per row) and never pinned; the others are pinned largest first while they fit beside the
@@ -198,7 +201,7 @@ def make_plan(
     biggest = sorted((in_flight(g) for g in stream_groups), reverse=True)
     stream_room = sum(biggest[:2])  # the part running and the one read ahead
     min_slots = top_k + 1
-    fixed = kv_bytes + scratch_bytes
+    fixed = kv_bytes + scratch_bytes + derived_bytes
     minimum = fixed + stream_room + min_slots * slot_bytes
     if budget < minimum:
         parts = sorted(
@@ -207,6 +210,7 @@ def make_plan(
                 (f"expert slots ({min_slots} x {slot_bytes / MB:.1f} MB)", min_slots * slot_bytes),
                 (f"KV/state for {context} tokens", kv_bytes),
                 ("activation scratch", scratch_bytes),
+                ("derived MLA decode matrices", derived_bytes),
             ],
             key=lambda p: -p[1],
         )
@@ -241,6 +245,7 @@ def make_plan(
         expert_slots=int(slots),
         slot_bytes=slot_bytes,
         n_experts=n_experts,
+        derived_bytes=derived_bytes,
     )
     return plan
 

@@ -247,6 +247,18 @@ def layout(model: Any, store: PackedStore) -> Layout:
     return Layout(layers, templates, slot_bytes, groups, top_k, chunk)
 
 
+def derived_bytes(decoder: Any) -> int:
+    """What MLA layers build at run time for absorbed decode: W_uk^T and W_uv as f32 for each layer, plus
+    the f32 dequantized kv_b_proj alive while one is being made."""
+    layers = getattr(decoder, "blocks", None) or getattr(decoder, "layers", [])
+    sizes = [
+        int(a.heads * (a.nope + a.v_dim) * a.rank * 4)
+        for a in (getattr(layer, "attn", None) for layer in layers)
+        if a is not None and hasattr(a, "absorbed") and hasattr(a, "kv_b_proj")
+    ]
+    return sum(sizes) + max(sizes, default=0)
+
+
 def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_tokens: int) -> Plan:
     """The plan of `budget` for a context of `context` tokens (the longest prompt chunk: prompt_tokens);
     InputError when it cannot fit."""
@@ -264,7 +276,10 @@ def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_token
     S = max(T, context)
     scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * heads * T * S * 4  # + scores [H, T, S]
     chunks = {"head": lay.head_chunk_bytes} if lay.head_chunk_bytes else None
-    plan = make_plan(budget, sizes, lay.slot_bytes, len(lay.templates), lay.top_k, kv, scratch, context, chunks)
+    derived = derived_bytes(decoder)
+    plan = make_plan(
+        budget, sizes, lay.slot_bytes, len(lay.templates), lay.top_k, kv, scratch, context, chunks, derived
+    )
     plan.overhead = rss_now() + RUNTIME_GROWTH
     return plan
 
