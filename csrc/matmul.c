@@ -49,7 +49,8 @@ static void row_range(int64_t rows, int ith, int nth, int64_t *r0, int64_t *r1) 
 
 typedef struct {
     const ms_matrix *m;
-    const float *x;
+    const char *x;    /* token t's activations (prepared or not) start at x + t * stride */
+    int64_t stride;   /* bytes */
     int64_t T;
     float *out;
     ms_dot4_fn dot4;
@@ -63,27 +64,30 @@ static void matmul_task(void *ctx, int ith, int nth) {
     for (int64_t r = r0; r < r1; r += 4) {
         int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
         for (int64_t t = 0; t < j->T; t++) {
-            j->dot4(j->m, r, nr, j->x + t * j->m->cols, tmp);
+            j->dot4(j->m, r, nr, (const float *)(j->x + t * j->stride), tmp);
             memcpy(j->out + t * j->m->rows + r, tmp, (size_t)nr * sizeof(float));
         }
     }
 }
 
-void ms_matmul(const ms_matrix *m, const float *x, int64_t T, float *out, int nthreads) {
+int ms_matmul(const ms_matrix *m, const float *x, int64_t T, float *out, int nthreads) {
     const ms_format_traits *f = &ms_formats[m->fmt];
-    float *xp = NULL;
-    if (f->prep_x[active_isa] != NULL) {
-        xp = malloc((size_t)(T * m->cols) * sizeof(float));
-        if (xp != NULL) {
-            for (int64_t t = 0; t < T; t++) f->prep_x[active_isa](x + t * m->cols, m->cols, xp + t * m->cols);
-        }
+    ms_prep_x_fn prep = f->prep_x[active_isa];
+    int64_t stride = m->cols * (int64_t)sizeof(float);
+    char *xp = NULL;
+    if (prep != NULL) {
+        if (f->prep_bytes) stride = (m->cols / f->block) * f->prep_bytes;
+        stride = (stride + 63) & ~(int64_t)63;
+        xp = malloc((size_t)(T * stride));
+        if (xp == NULL) return -1;
+        for (int64_t t = 0; t < T; t++) prep(x + t * m->cols, m->cols, (float *)(xp + t * stride));
     }
-    /* Without memory for the prepared activations, fall back to the scalar path (same result). */
-    matmul_job j = {m, xp ? xp : x, T, out, (f->prep_x[active_isa] && !xp) ? f->dot4[MS_ISA_SCALAR] : f->dot4[active_isa]};
+    matmul_job j = {m, xp ? xp : (const char *)x, stride, T, out, f->dot4[active_isa]};
     int64_t tiles = (m->rows + 3) / 4;
     if (nthreads > tiles) nthreads = (int)tiles;
     ms_parallel(nthreads < 1 ? 1 : nthreads, matmul_task, &j);
     free(xp);
+    return 0;
 }
 
 typedef struct {

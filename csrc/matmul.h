@@ -12,7 +12,8 @@ int ms_set_isa(ms_isa isa); /* 0 on success, -1 if this CPU lacks it */
 /* out[t, r] = dot(W[r, :], x[t, :]) for t < T, r < rows; x is [T, cols], out is [T, rows]. Threads
  * split the rows; every element has the canonical reduction order, so the result does not depend on
  * nthreads or on T. */
-void ms_matmul(const ms_matrix *m, const float *x, int64_t T, float *out, int nthreads);
+/* 0, or -1 when the prepared activations cannot be allocated */
+int ms_matmul(const ms_matrix *m, const float *x, int64_t T, float *out, int nthreads);
 void ms_dequant(const ms_matrix *m, float *out, int nthreads);
 /* Reads n bytes as a memory bandwidth baseline; returns a checksum. */
 double ms_memread(const uint8_t *p, int64_t n, int nthreads);

@@ -97,9 +97,14 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "x and out must be 4-byte aligned");
         goto done;
     }
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    ms_matmul(&m, (const float *)x.buf, T, (float *)out.buf, threads);
+    rc = ms_matmul(&m, (const float *)x.buf, T, (float *)out.buf, threads);
     Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
     ret = Py_None;
     Py_INCREF(ret);
 done:

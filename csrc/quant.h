@@ -51,7 +51,7 @@ typedef void (*ms_dot4_fn)(const ms_matrix *m, int64_t row0, int nrows, const fl
 typedef void (*ms_dequant_fn)(const ms_matrix *m, int64_t row, float *out);
 /* Some kernels want the activations in another order (or format); prep_x writes that form of
  * x[0:n] to xp[0:n] once per token, and dot4 then receives xp. NULL: dot4 takes x as it is. */
-typedef void (*ms_prep_x_fn)(const float *x, int64_t n, float *xp);
+typedef void (*ms_prep_x_fn)(const float *x, int64_t n, float *xp); /* xp: prep_bytes per block */
 
 typedef struct {
     const char *name;
@@ -60,6 +60,7 @@ typedef struct {
     ms_dot4_fn dot4[MS_NUM_ISAS];
     ms_dequant_fn dequant[MS_NUM_ISAS];
     ms_prep_x_fn prep_x[MS_NUM_ISAS];
+    int prep_bytes; /* bytes of prepared activations per block (0: 4 per element, as floats) */
 } ms_format_traits;
 
 extern const ms_format_traits ms_formats[MS_NUM_FORMATS];
@@ -107,7 +108,9 @@ MS_DECLARE_ALL_ISAS(f32)
 MS_DECLARE_ALL_ISAS(bf16)
 MS_DECLARE_ALL_ISAS(f16)
 MS_DECLARE_ALL_ISAS(fp8)
-MS_DECLARE_ALL_ISAS(mxfp4)
+void ms_dequant_mxfp4_scalar(const ms_matrix *m, int64_t row, float *out); /* products: quant_int8*.c */
+void ms_dequant_mxfp4_avx2(const ms_matrix *m, int64_t row, float *out);
+void ms_dequant_mxfp4_avx512(const ms_matrix *m, int64_t row, float *out);
 void ms_prep_x_bf16_avx2(const float *x, int64_t n, float *xp);
 
 /* The block formats (quant_blocks.c): one dequantizer for all ISAs, and a dot that accumulates the
@@ -127,6 +130,9 @@ void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
 void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q6_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp);
+void ms_dot4_mxfp4_int_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out);
 void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);

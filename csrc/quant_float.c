@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "quant.h"
+#include "quant_int8.h"
 
 float ms_fp8_e4m3_lut[256];
 const float ms_e2m1_lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -146,9 +147,6 @@ void ms_dot4_f16_scalar(const ms_matrix *m, int64_t row0, int nrows, const float
 void ms_dot4_fp8_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
     dot4_scalar_generic(m, row0, nrows, x, out, ms_dequant_fp8_scalar);
 }
-void ms_dot4_mxfp4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
-    dot4_scalar_generic(m, row0, nrows, x, out, ms_dequant_mxfp4_scalar);
-}
 
 /* ---- the table ---------------------------------------------------------------------------- */
 
@@ -174,7 +172,10 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_BF16] = ROW(bf16, 1, 2, ms_prep_x_bf16_avx2),
     [MS_F16] = ROW(f16, 1, 2, NULL),
     [MS_FP8_E4M3_B128] = ROW(fp8, 1, 1, NULL),
-    [MS_MXFP4] = ROW(mxfp4, 32, 16, NULL),
+    [MS_MXFP4] = {"mxfp4", 32, 16,
+                  {ms_dot4_mxfp4_int_scalar, ms_dot4_mxfp4_int_avx2, ms_dot4_mxfp4_int_avx2},
+                  {ms_dequant_mxfp4_scalar, ms_dequant_mxfp4_avx2, ms_dequant_mxfp4_avx512},
+                  {ms_prep_x_mxfp4, ms_prep_x_mxfp4, ms_prep_x_mxfp4}, (int)sizeof(ms_mxfp4x)},
     [MS_Q8_0] = INT8_ROW(q8_0, 32, 34, ms_prep_x_q8_0),
     [MS_Q4_K] = INT8_ROW(q4_k, 256, 144, ms_prep_x_q8_k),
     [MS_Q6_K] = INT8_ROW(q6_k, 256, 210, ms_prep_x_q8_k),

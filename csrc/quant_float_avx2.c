@@ -55,7 +55,7 @@ static inline void load_mxfp4(rowctx c, int64_t i, __m256 w[2]) {
 }
 
 DEFINE_DOT(f32, avx2, load_f32, ELEM_F32)
-DEFINE_DOT(mxfp4, avx2, load_mxfp4, ELEM_MXFP4)
+DEFINE_DEQUANT(mxfp4, avx2, load_mxfp4, ELEM_MXFP4) /* products: quant_int8*.c */
 DEFINE_DOT(f16, avx2, load_f16, ELEM_F16)
 DEFINE_DOT(fp8, avx2, load_fp8, ELEM_FP8)
 

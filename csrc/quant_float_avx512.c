@@ -37,7 +37,7 @@ static inline void load_mxfp4(rowctx c, int64_t i, __m512 w[1]) {
 }
 
 DEFINE_DOT(f32, avx512, load_f32, ELEM_F32)
-DEFINE_DOT(mxfp4, avx512, load_mxfp4, ELEM_MXFP4)
+DEFINE_DEQUANT(mxfp4, avx512, load_mxfp4, ELEM_MXFP4) /* products: quant_int8*.c */
 DEFINE_DOT(bf16, avx512, load_bf16, ELEM_BF16)
 DEFINE_DOT(f16, avx512, load_f16, ELEM_F16)
 DEFINE_DOT(fp8, avx512, load_fp8, ELEM_FP8)

@@ -30,7 +30,7 @@ static inline __m128i mxfp4_x2_int8(rowctx c, int64_t i) {
     return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)ms_e2m1_x2_lut), nib);
 }
 
-#define DEFINE_DOT(NAME, ISA, LOADFN, ELEMFN)                                                       \
+#define DEFINE_DOT_ONLY(NAME, ISA, LOADFN, ELEMFN)                                                       \
     void ms_dot4_##NAME##_##ISA(const ms_matrix *m, int64_t row0, int nrows, const float *x,         \
                                   float *out) {                                                     \
         const int64_t n = m->cols;                                                                  \
@@ -78,7 +78,9 @@ static inline __m128i mxfp4_x2_int8(rowctx c, int64_t i) {
                 lanes[i & (MS_LANES - 1)] = fmaf(ELEMFN(c, i), x[i], lanes[i & (MS_LANES - 1)]);    \
             out[r] = ms_lanes_reduce(lanes);                                                        \
         }                                                                                           \
-    }                                                                                               \
+    }
+
+#define DEFINE_DEQUANT(NAME, ISA, LOADFN, ELEMFN)                                                  \
     void ms_dequant_##NAME##_##ISA(const ms_matrix *m, int64_t row, float *out) {                   \
         rowctx c = row_at(m, row);                                                                  \
         const int64_t n = m->cols;                                                                  \
@@ -90,6 +92,10 @@ static inline __m128i mxfp4_x2_int8(rowctx c, int64_t i) {
         }                                                                                           \
         for (int64_t i = n16; i < n; i++) out[i] = ELEMFN(c, i);                                    \
     }
+
+
+#define DEFINE_DOT(NAME, ISA, LOADFN, ELEMFN) \
+    DEFINE_DOT_ONLY(NAME, ISA, LOADFN, ELEMFN) DEFINE_DEQUANT(NAME, ISA, LOADFN, ELEMFN)
 
 /* Scalar element accessors for the tails (shared by both ISAs). */
 #define ELEM_F32(c, i) (((const float *)(c).p)[i])

@@ -137,6 +137,65 @@ void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
     }
 }
 
+/* ---- mxfp4 against two-term int16 activations -------------------------------------------------------
+ * Each 32-block of activations becomes x ~ a * da + b * db with int16 a, b and power-of-two da, db = da/2^15
+ * (b carries the rounding residue of a, so the representation is good to 2^-29 of the block's max: float
+ * accuracy), stored in the nibble order of the weights (even columns, then odd). Doubled E2M1 values are
+ * small integers, so each lane's integer sums are exact; lane L holds columns 4L..4L+3 of the block, and
+ * f[L] = fma(sum_a, da * s, f[L]) then fma(sum_b, db * s, f[L]), s = 2^(e-128), in block order. */
+
+void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
+    ms_mxfp4x *blk = (ms_mxfp4x *)xp;
+    for (int64_t k = 0; k < n / 32; k++) {
+        const float *v = x + 32 * k;
+        ms_mxfp4x *o = &blk[k];
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+        memset(o->a, 0, sizeof o->a);
+        memset(o->b, 0, sizeof o->b);
+        if (!(amax > 0.0f) || !isfinite(amax)) { /* zeros: all zero; inf/nan: the sums become nan */
+            o->da = o->db = amax == 0.0f ? 0.0f : NAN;
+            continue;
+        }
+        int e;
+        frexpf(amax, &e);           /* amax < 2^e */
+        if (e < -96) e = -96;       /* keep db = 2^(e-29) a normal number */
+        o->da = ldexpf(1.0f, e - 14); /* |a| <= 2^14 */
+        o->db = ldexpf(1.0f, e - 29); /* |b| <= 2^14 */
+        for (int i = 0; i < 32; i++) {
+            int j = (i & 1) * 16 + i / 2;
+            float qa = rintf(v[i] / o->da);
+            float res = v[i] - qa * o->da; /* exact: both are multiples of ulp(v[i]) near it */
+            o->a[j] = (int16_t)qa;
+            o->b[j] = (int16_t)rintf(res / o->db);
+        }
+    }
+}
+
+void ms_dot4_mxfp4_int_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_mxfp4x *x = (const ms_mxfp4x *)xp;
+    int64_t nb = m->cols / 32;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        const uint8_t *s8 = ms_mxfp4_scale_row(m, row0 + r);
+        float f[8] = {0};
+        for (int64_t b = 0; b < nb; b++, w += 16) {
+            float s = ms_e8m0_half_lut[s8[b]], sa = x[b].da * s, sb = x[b].db * s;
+            for (int L = 0; L < 8; L++) {
+                int32_t ia = 0, ib = 0;
+                for (int c = 4 * L; c < 4 * L + 4; c++) {
+                    int k = ms_e2m1_x2_lut[(w[c / 2] >> ((c & 1) * 4)) & 0x0F], j = (c & 1) * 16 + c / 2;
+                    ia += k * x[b].a[j];
+                    ib += k * x[b].b[j];
+                }
+                f[L] = fmaf((float)ia, sa, f[L]);
+                f[L] = fmaf((float)ib, sb, f[L]);
+            }
+        }
+        out[r] = ms_lanes8_reduce(f);
+    }
+}
+
 /* ---- q6_k (16 sub-blocks of 16 with int8 scales; values in -32..31) ----------------------------- */
 
 static inline int q6_value(const uint8_t *b, int e) {

@@ -16,6 +16,12 @@ typedef struct {
     int16_t bsums[8]; /* sums of q per 32 */
 } ms_q8_kx;           /* 276 bytes per 256 activations (<= 4 bytes each, so it fits the prep buffer) */
 
+typedef struct {
+    float da, db;  /* powers of two, db = da / 2^15 */
+    int16_t a[32]; /* x ~ a * da + b * db; [0..15]: the block's even columns, [16..31]: the odd ones */
+    int16_t b[32]; /* (the nibble order of the weights) */
+} ms_mxfp4x;       /* 136 bytes per 32 activations; |x - (a da + b db)| <= 2^-29 of the block's max */
+
 void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]);
 float ms_lanes8_reduce(const float f[8]); /* (f0+f4 + f2+f6) + (f1+f5 + f3+f7) */
 #endif

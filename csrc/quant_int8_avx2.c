@@ -147,3 +147,65 @@ void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
         out[r] = reduce8(f);
     }
 }
+
+/* mxfp4 x two-term int16 activations (see quant_int8.c): the 16 bytes of a block give the even columns
+ * (low nibbles) and the odd ones (high nibbles) as doubled E2M1 int16 by a byte shuffle; madd against
+ * the activations stored in that order puts columns 4L..4L+3 in lane L. */
+typedef struct {
+    __m256i ae, ao, be, bo;
+} mx_act;
+
+static inline mx_act mx_load(const ms_mxfp4x *xb) {
+    mx_act a;
+    a.ae = _mm256_loadu_si256((const __m256i *)xb->a);
+    a.ao = _mm256_loadu_si256((const __m256i *)(xb->a + 16));
+    a.be = _mm256_loadu_si256((const __m256i *)xb->b);
+    a.bo = _mm256_loadu_si256((const __m256i *)(xb->b + 16));
+    return a;
+}
+
+static inline __m256 mxfp4_block(const uint8_t *w, uint8_t scale, const ms_mxfp4x *xb, const mx_act *x,
+                                 __m128i lut, __m256 f) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)w);
+    __m256i ke = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4)));
+    __m256i ko = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+    __m256i ia = _mm256_add_epi32(_mm256_madd_epi16(ke, x->ae), _mm256_madd_epi16(ko, x->ao));
+    __m256i ib = _mm256_add_epi32(_mm256_madd_epi16(ke, x->be), _mm256_madd_epi16(ko, x->bo));
+    float s = ms_e8m0_half_lut[scale];
+    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(xb->da * s), f);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_set1_ps(xb->db * s), f);
+}
+
+void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_mxfp4x *x = (const ms_mxfp4x *)xp;
+    int64_t nb = m->cols / 32;
+    const __m128i lut = _mm_loadu_si128((const __m128i *)ms_e2m1_x2_lut);
+    if (nrows == 4) { /* four rows share the activation loads */
+        const uint8_t *w0 = m->data + row0 * m->row_bytes, *w1 = w0 + m->row_bytes, *w2 = w1 + m->row_bytes,
+                      *w3 = w2 + m->row_bytes;
+        const uint8_t *s0 = ms_mxfp4_scale_row(m, row0), *s1 = s0 + nb, *s2 = s1 + nb, *s3 = s2 + nb;
+        __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+        for (int64_t b = 0; b < nb; b++) {
+            mx_act a = mx_load(&x[b]);
+            f0 = mxfp4_block(w0 + 16 * b, s0[b], &x[b], &a, lut, f0);
+            f1 = mxfp4_block(w1 + 16 * b, s1[b], &x[b], &a, lut, f1);
+            f2 = mxfp4_block(w2 + 16 * b, s2[b], &x[b], &a, lut, f2);
+            f3 = mxfp4_block(w3 + 16 * b, s3[b], &x[b], &a, lut, f3);
+        }
+        out[0] = reduce8(f0);
+        out[1] = reduce8(f1);
+        out[2] = reduce8(f2);
+        out[3] = reduce8(f3);
+        return;
+    }
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes, *s8 = ms_mxfp4_scale_row(m, row0 + r);
+        __m256 f = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            mx_act a = mx_load(&x[b]);
+            f = mxfp4_block(w + 16 * b, s8[b], &x[b], &a, lut, f);
+        }
+        out[r] = reduce8(f);
+    }
+}

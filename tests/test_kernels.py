@@ -78,11 +78,11 @@ def test_matmul_within_bound(isa, fmt, shape):
     deq = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols).astype(np.float64)
     exact = x.astype(np.float64) @ deq.T
     bound = w.fmt.matmul_rel_bound * (np.abs(x.astype(np.float64)) @ np.abs(deq).T)
-    if w.fmt.act_block:  # int8 activations: half a step of each block's scale per weight
+    if w.fmt.act_block:  # integer activations: half a step of each block's scale per weight
         ab = w.fmt.act_block
         amax = np.abs(x.reshape(x.shape[0], -1, ab)).max(axis=2).astype(np.float64)  # [T, blocks]
         wsum = np.abs(deq).reshape(w.rows, -1, ab).sum(axis=2)  # [rows, blocks]
-        bound += (amax / 254) @ wsum.T * (1 + 1e-3)
+        bound += (amax / (2 * w.fmt.act_levels)) @ wsum.T * (1 + 1e-3)
     got = w.matmul(x, threads=2)
     assert np.all(np.abs(got - exact) <= bound + 1e-30)
 

@@ -4,8 +4,10 @@ in csrc/quant_float.c (checked at import), with the numpy dequantizer that defin
 Matmul error bound per format, against dequantize-then-multiply in float64 (tests use these):
   formats multiplied in float: the kernels compute the exact dequantized values and accumulate in f32
   with a fixed order, so |err| <= 1e-5 * sum_i |w_i x_i| (f32 accumulation error for the sizes we use).
-  formats with integer kernels (act_block > 0): the activations are rounded to int8 per act_block
-  (scale amax/127), which adds at most sum over blocks of sum_i |w_i| * amax_block(x) / 254.
+  formats with integer kernels (act_block > 0): the activations are rounded to integers per act_block
+  (scale amax/act_levels: int8 for the GGUF-style kernels; for mxfp4 two int16 terms, the second
+  holding the rounding residue of the first, good to 2^-29 of the block's max), which adds at most
+  sum over blocks of sum_i |w_i| * amax_block(x) / (2 * act_levels).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class Format:
     block: int  # elements per block along a row
     block_bytes: int
     matmul_rel_bound: float  # see the module docstring
-    act_block: int = 0  # > 0: activations are quantized to int8 per this many (integer dot kernels)
+    act_block: int = 0  # > 0: activations are quantized per this many (integer dot kernels)
+    act_levels: int = 127  # ... to this many steps each side of zero (127: int8; 2**28: mxfp4's two int16 terms)
 
 
 FORMATS: dict[str, Format] = {
@@ -34,7 +37,8 @@ FORMATS: dict[str, Format] = {
     "bf16": Format("bf16", 1, 1, 2, 1e-5),
     "f16": Format("f16", 2, 1, 2, 1e-5),
     "fp8": Format("fp8", 3, 1, 1, 1e-5),  # e4m3 with one f32 scale per 128x128 block
-    "mxfp4": Format("mxfp4", 4, 32, 16, 1e-5),  # E2M1 nibbles + one E8M0 byte per 32 (compressed-tensors)
+    # E2M1 nibbles + one E8M0 byte per 32 (compressed-tensors), against two-term int16 activations
+    "mxfp4": Format("mxfp4", 4, 32, 16, 1e-5, act_block=32, act_levels=2**28),
     # GGUF block formats (quant/blocks.py), multiplied after an exact in-register dequantization
     "q8_0": Format("q8_0", 5, 32, 34, 1e-5, act_block=32),
     "q4_k": Format("q4_k", 6, 256, 144, 1e-5, act_block=256),
