@@ -54,6 +54,7 @@ typedef struct {
     int64_t T;
     float *out;
     ms_dot4_fn dot4;
+    ms_gemm_fn gemm; /* NULL: dot4 per token */
 } matmul_job;
 
 static void matmul_task(void *ctx, int ith, int nth) {
@@ -63,6 +64,10 @@ static void matmul_task(void *ctx, int ith, int nth) {
     float tmp[4];
     for (int64_t r = r0; r < r1; r += 4) {
         int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
+        if (j->gemm != NULL) {
+            j->gemm(j->m, r, nr, j->x, j->stride, j->T, j->out + r, j->m->rows);
+            continue;
+        }
         for (int64_t t = 0; t < j->T; t++) {
             j->dot4(j->m, r, nr, (const float *)(j->x + t * j->stride), tmp);
             memcpy(j->out + t * j->m->rows + r, tmp, (size_t)nr * sizeof(float));
@@ -82,7 +87,8 @@ int ms_matmul(const ms_matrix *m, const float *x, int64_t T, float *out, int nth
         if (xp == NULL) return -1;
         for (int64_t t = 0; t < T; t++) prep(x + t * m->cols, m->cols, (float *)(xp + t * stride));
     }
-    matmul_job j = {m, xp ? xp : (const char *)x, stride, T, out, f->dot4[active_isa]};
+    matmul_job j = {m, xp ? xp : (const char *)x, stride, T, out, f->dot4[active_isa],
+                    T > 1 ? f->gemm[active_isa] : NULL};
     int64_t tiles = (m->rows + 3) / 4;
     if (nthreads > tiles) nthreads = (int)tiles;
     ms_parallel(nthreads < 1 ? 1 : nthreads, matmul_task, &j);

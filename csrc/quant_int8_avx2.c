@@ -2,6 +2,7 @@
  * maddubs/madd, then the shared scalar epilogue per block. Also serves the AVX-512 slot for now. */
 #pragma GCC target("avx2,fma,f16c,ssse3")
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "quant.h"
@@ -224,5 +225,82 @@ void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const f
             f = mxfp4_block(w + 16 * b, s8[b], &x[b], &a, lut, f);
         }
         out[r] = reduce8(f);
+    }
+}
+
+/* q4_k against several tokens: each weight block of the tile is unpacked once (nibbles split, scales
+ * broadcast, super-scales converted) into a per-thread buffer, then every token runs over the unpacked
+ * tile with exactly the arithmetic of ms_dot4_q4_k_avx2. */
+typedef struct {
+    __m256i q[8];  /* sub-block j's 32 nibbles as bytes */
+    __m256i sc[8]; /* sub-block j's scale in every int16 */
+    __m128i mn;    /* the 8 mins as int16 */
+    float d, dmin;
+    float pad[6];
+} q4k_unpacked;
+
+static _Thread_local q4k_unpacked *q4k_buf;
+static _Thread_local int64_t q4k_cap;
+
+void ms_gemm_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
+                       float *out, int64_t out_stride) {
+    int64_t nb = m->cols / 256;
+    if (q4k_cap < nrows * nb) {
+        free(q4k_buf);
+        q4k_buf = aligned_alloc(64, (size_t)(nrows * nb) * sizeof(q4k_unpacked));
+        q4k_cap = q4k_buf ? nrows * nb : 0;
+        if (q4k_buf == NULL) { /* no memory for the buffer: token by token (the same numbers) */
+            for (int64_t t = 0; t < T; t++) {
+                float tmp[4];
+                ms_dot4_q4_k_avx2(m, row0, nrows, (const float *)(xp + t * stride), tmp);
+                for (int r = 0; r < nrows; r++) out[t * out_stride + r] = tmp[r];
+            }
+            return;
+        }
+    }
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        for (int64_t b = 0; b < nb; b++, w += 144) {
+            q4k_unpacked *u = &q4k_buf[r * nb + b];
+            uint8_t sc[8], mn[8];
+            unpack_q4_k_scales(w + 4, sc, mn);
+            for (int k = 0; k < 4; k++) {
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * k));
+                u->q[2 * k] = _mm256_and_si256(bytes, low4);
+                u->q[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            }
+            for (int s = 0; s < 8; s++) u->sc[s] = _mm256_set1_epi16(sc[s]);
+            u->mn = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+            u->d = h2f(w);
+            u->dmin = h2f(w + 2);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const ms_q8_kx *x = (const ms_q8_kx *)(xp + t * stride);
+        for (int r = 0; r < nrows; r++) {
+            const q4k_unpacked *u = &q4k_buf[r * nb];
+            __m256 f = _mm256_setzero_ps();
+            float fmin = 0.0f;
+            for (int64_t b = 0; b < nb; b++, u++) {
+                const int8_t *qx = x[b].q;
+                __m256i acc = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++) {
+                    __m256i p_lo = _mm256_maddubs_epi16(u->q[2 * k], _mm256_loadu_si256((const __m256i *)(qx + 64 * k)));
+                    __m256i p_hi =
+                        _mm256_maddubs_epi16(u->q[2 * k + 1], _mm256_loadu_si256((const __m256i *)(qx + 64 * k + 32)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, u->sc[2 * k]));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, u->sc[2 * k + 1]));
+                }
+                __m128i ms = _mm_madd_epi16(u->mn, _mm_loadu_si128((const __m128i *)x[b].bsums));
+                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
+                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
+                int32_t sm = _mm_cvtsi128_si32(ms);
+                float dd = u->d * x[b].d, dm = u->dmin * x[b].d;
+                f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dd), f);
+                fmin += dm * (float)sm;
+            }
+            out[t * out_stride + r] = reduce8(f) - fmin;
+        }
     }
 }
