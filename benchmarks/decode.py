@@ -5,7 +5,7 @@ the same checkpoint), and the GB/s the matvec kernels reach beside a plain memor
 
 With --llama-cpp SRC (the llama.cpp source tree inside the llama-cpp-python sdist, which carries
 convert_hf_to_gguf.py; llama-cpp-python itself built from source), the checkpoint is also converted and
-quantized to Q4_K_M, packed by moestream with q4_k experts and trunk, and both engines decode it side by
+quantized to Q4_K_M, packed by moestream with the same mix (q4_k_m), and both engines decode it side by
 side (--skip-transformers for the 8-layer model of the formats issue, which does not fit as a torch model):
 
     python3 benchmarks/decode.py --layers 8 --skip-transformers --llama-cpp /tmp/llsrc/.../vendor/llama.cpp
@@ -199,10 +199,10 @@ def main() -> None:
         engines["moestream (bf16)"] = Ours(path, args.threads)
         engines["transformers (bf16)"] = Transformers(path, args.threads)
     if args.llama_cpp is not None:
-        packed = path.with_name(path.name + "-q4_k")
+        packed = path.with_name(path.name + "-q4_k_m")
         if not (packed / "manifest.json").exists():
-            pack(path, packed, experts="q4_k", trunk="q4_k", progress=False)
-        engines["moestream (q4_k pack)"] = Ours(packed, args.threads)
+            pack(path, packed, experts="q4_k_m", trunk="q4_k_m", progress=False)
+        engines["moestream (q4_k_m pack)"] = Ours(packed, args.threads)
         engines["llama.cpp (Q4_K_M)"] = LlamaCpp(llama_cpp_gguf(args.llama_cpp, path), args.threads)
     best: dict[str, list[float]] = {name: [0.0, 0.0] for name in engines}
     ids: dict[str, list[int]] = {}
@@ -215,7 +215,7 @@ def main() -> None:
     rows: list[list[object]] = [[name, *best[name], f"{engines[name].load_seconds:.1f}"] for name in engines]
     for ours_name, peer in (
         ("moestream (bf16)", "transformers (bf16)"),
-        ("moestream (q4_k pack)", "llama.cpp (Q4_K_M)"),
+        ("moestream (q4_k_m pack)", "llama.cpp (Q4_K_M)"),
     ):
         if ours_name in best and peer in best:
             pa, pb = best[ours_name], best[peer]

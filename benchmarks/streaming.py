@@ -1,4 +1,4 @@
-"""Decode inside a memory cgroup: moestream streaming a q4_k pack within --ram beside llama.cpp mmap'ing
+"""Decode inside a memory cgroup: moestream streaming a q4_k_m pack within --ram beside llama.cpp mmap'ing
 the same model at Q4_K_M, both in the same limit, and the disk-bound limit (bytes read per token over the
 O_DIRECT read bandwidth measured here).
 
@@ -117,14 +117,15 @@ def main() -> None:
     path = Path(f"/tmp/moestream-bench/qwen3-30b-a3b-L{args.layers}")
     if not (path / "config.json").exists():
         synth("qwen3_moe", path, {**QWEN3_30B_A3B, "num_hidden_layers": args.layers}, dtype="bf16", seed=0)
-    packed = path.with_name(path.name + "-q4_k")
+    packed = path.with_name(path.name + "-q4_k_m")
     if not (packed / "manifest.json").exists():
-        pack(path, packed, experts="q4_k", trunk="q4_k", progress=False)
+        pack(path, packed, experts="q4_k_m", trunk="q4_k_m", progress=False)
     gguf = llama_cpp_gguf(args.llama_cpp, path)
     prompt = [int(i) for i in np.random.default_rng(0).integers(300, 150000, size=args.prompt)]
     limit = parse_size(args.limit)
     print(f"machine: {machine()}\ncommit: {commit()}")
-    print(f"model: qwen3_moe Qwen3-30B-A3B width, {args.layers} layers; moestream q4_k pack {packed}")
+    print(f"model: qwen3_moe Qwen3-30B-A3B width, {args.layers} layers; moestream pack {packed}")
+    print("both sides quantized with llama.cpp's Q4_K_M mix (moestream: --experts q4_k_m --trunk q4_k_m)")
     print(f"memory cgroup limit {args.limit} for each engine; moestream --ram {args.ram}; threads {args.threads}")
     print(f"prompt {args.prompt} tokens, generate {args.gen}\n")
 
@@ -160,7 +161,7 @@ def main() -> None:
     ours_tps = ours["decode_tokens_per_second"]
     bound = s["decode_bytes_read_per_token"] / (bw * 1e9)  # seconds per token if reads were all that mattered
     rows: list[list[object]] = [
-        ["moestream (q4_k, --ram)", ours_tps, s["decode_bytes_read_per_token"] / 1e6, f"{100 * s['hit_rate']:.1f}%"]
+        ["moestream (q4_k_m, --ram)", ours_tps, s["decode_bytes_read_per_token"] / 1e6, f"{100 * s['hit_rate']:.1f}%"]
     ]
     ok = {k: v for k, v in peers.items() if "error" not in v}
     for label, peer in peers.items():

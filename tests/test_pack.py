@@ -148,3 +148,25 @@ def test_report(k3, tmp_path):
     assert rows["routed"][2] == "q4_k" and 0.01 < float(rows["routed"][3]) < 0.2
     mean_kl = float(q.split("mean ")[1].split(",")[0])
     assert mean_kl > 0
+
+
+def test_q4_k_m_mix_follows_llama_cpp(tmp_path):
+    """q4_k_m is llama.cpp's Q4_K_M: q4_k, with q6_k for the output matrix and for attention V and FFN
+    down (routed experts included) in the first and last eighth of the layers and every third between."""
+    cfg = dict(num_hidden_layers=8, hidden_size=256, moe_intermediate_size=256, intermediate_size=256,
+               num_experts=4, num_experts_per_tok=2, vocab_size=512)  # fmt: skip
+    src = synth("qwen3_moe", tmp_path / "src", cfg, seed=2, progress=False)
+    out = pack(src, tmp_path / "m", experts="q4_k_m", trunk="q4_k_m", progress=False)
+    mats = json.loads((out / "manifest.json").read_text())["matrices"]
+    more = {0, 3, 6, 7}  # llama.cpp's use_more_bits(i, 8)
+    for name, e in mats.items():
+        if "mlp.gate." in name:
+            continue  # routers are kept
+        layer = int(name.split("layers.")[1].split(".")[0]) if "layers." in name else -1
+        want = "q6_k" if name.startswith("lm_head") else "q4_k"
+        if layer in more and ("v_proj" in name or "down_proj" in name):
+            want = "q6_k"
+        assert e["format"] == want, (name, e["format"])
+    assert sum(e["format"] == "q6_k" for e in mats.values()) == 1 + 4 * (1 + 4)
+    m = moestream.load(out)
+    assert np.isfinite(m.logits([1, 2, 3])).all()

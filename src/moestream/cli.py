@@ -234,7 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     k.add_argument("src", type=Path, help="checkpoint directory")
     k.add_argument("dst", type=Path, help="output directory")
-    k.add_argument("--experts", default="keep", choices=PACK_FORMATS, help="format of routed experts")
+    k.add_argument(
+        "--experts",
+        default="keep",
+        choices=PACK_FORMATS,
+        help="format of routed experts (q4_k_m: llama.cpp's Q4_K_M mix)",
+    )
     k.add_argument("--trunk", default="keep", choices=PACK_FORMATS, help="format of the other matrices")
     k.add_argument("--force", action="store_true", help="replace DST if it exists")
     k.add_argument(

@@ -6,7 +6,8 @@
     DST/config.json and the tokenizer files, copied
 
 Matrices may be requantized on the way (--experts / --trunk FORMAT; `keep` leaves a tensor in its
-checkpoint format); vectors (norms, biases, convolutions) are always kept as they are.
+checkpoint format; `q4_k_m` is llama.cpp's Q4_K_M mix); vectors (norms, biases, convolutions) are always
+kept as they are.
 """
 
 from __future__ import annotations
@@ -51,7 +52,33 @@ PACK_FORMATS = [
     "tq1_0",
     "mxfp4",
     "int4",
+    "q4_k_m",
 ]
+# Mixes: a name that resolves per matrix to a format, as llama.cpp's file types do. q4_k_m is its Q4_K_M:
+# q4_k, with q6_k for the output matrix and for attention V and FFN down in the layers use_more_bits picks.
+MIXES = {"q4_k_m": ("q4_k", "q6_k")}
+_MORE_BITS = re.compile(r"(v_proj|down_proj|\.w2)(\.|$)")
+
+
+def _use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of layers that get more bits: the first and last eighth and every third between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def resolve_format(fmt: str, name: str, n_layers: int, head: bool) -> str:
+    """The format a matrix gets under `fmt` (a format, or a mix); head: the matrix is the output matrix
+    (lm_head, or the embedding when it is tied)."""
+    if fmt not in MIXES:
+        return fmt
+    base, more = MIXES[fmt]
+    if head:
+        return more
+    m = _LAYER.search(name)
+    if m and _MORE_BITS.search(name) and _use_more_bits(int(m.group(1)), n_layers):
+        return more
+    return base
+
+
 # the numpy dtype of a float format's stored elements
 FLOAT_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16, "fp8": ml_dtypes.float8_e4m3fn}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "generation_config.json")
@@ -237,10 +264,14 @@ def pack(
     ckpt = Checkpoint(src)
     matrices, others = find_matrices(ckpt)  # also refuses an unsupported or inconsistent model
 
+    n_layers = 1 + max((int(x.group(1)) for x in map(_LAYER.search, matrices) if x), default=0)
+    tied = not any("lm_head" in n for n in matrices)
+
     def target(m: Matrix) -> str:
         if is_router(m.name):
             return "keep"
-        fmt = experts if is_routed_expert(m.name) else trunk
+        head = "lm_head" in m.name or (tied and "embed" in m.name)
+        fmt = resolve_format(experts if is_routed_expert(m.name) else trunk, m.name, n_layers, head)
         return fmt if fits(fmt, m.cols) else "keep"
 
     def out_bytes(m: Matrix) -> int:
