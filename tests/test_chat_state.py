@@ -138,3 +138,15 @@ def test_states_from_other_models_and_damaged_files_are_refused(tmp_path, demo):
     with pytest.raises(InputError, match="another model"):
         other = moestream.load(packed)
         load_state(s, other)
+
+
+def test_a_turn_beyond_the_context_is_refused_and_chat_goes_on(demo):
+    chat = ChatSession(demo, max_new_tokens=8, max_context=40)
+    stream, _ = chat.send("hi")
+    stream.run()
+    chat.finish()
+    with pytest.raises(InputError, match="over the context of 40"):
+        chat.send("a much longer question that cannot fit " * 3)
+    p = cli("chat", "--ctx", "40", "--gen", "8", input_text="hi\n" + "long words here " * 10 + "\nok\n")
+    assert p.returncode == 0
+    assert p.stderr.count("over the context of 40") == 1 and "Traceback" not in p.stderr

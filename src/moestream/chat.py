@@ -108,8 +108,10 @@ class ChatSession:
         sampling: SamplingParams = GREEDY,
         template: ChatTemplate | None = None,
         max_new_tokens: int = 256,
+        max_context: int | None = None,
     ):
         self.model = model
+        self.max_context = max_context  # the conversation may not grow beyond this many tokens
         self.template = template or load_template(model)
         self.sampling, self.max_new_tokens = sampling, max_new_tokens
         self.system = system
@@ -136,6 +138,12 @@ class ChatSession:
         if self._open is not None:
             self.finish()
         ids, kept, rebuilt, text = self.conversation_ids(user)
+        n = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if self.max_context is not None and len(ids) + n > self.max_context:
+            raise InputError(
+                f"the conversation would reach {len(ids) + n} tokens, over the context of {self.max_context} "
+                "(/reset to start over)"
+            )
         if rebuilt or kept == 0:
             self.state = self.model.new_state()
             kept = 0
@@ -144,7 +152,7 @@ class ChatSession:
         turn = TurnStats(len(feed), kept, rebuilt, stats)
         stream = self.model.complete(
             feed,
-            self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            n,
             sampling=self.sampling,
             state=self.state,
             stats=stats,

@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", "-s", help="system prompt")
     c.add_argument("--gen", "-n", type=_int_at_least(1), default=256, help="most tokens per reply (default 256)")
     c.add_argument("--history", type=Path, metavar="FILE.jsonl", help="resume from and append to this history")
+    c.add_argument("--ctx", type=_int_at_least(1), default=4096, help="most tokens in the conversation (default 4096)")
     c.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
     c.add_argument("--verbose", "-v", action="store_true", help="after each reply, the tokens prefilled and tok/s")
     add_memory_args(c)
@@ -525,7 +526,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .chat import ChatSession
 
     model, streaming = load_for_serving(args)
-    session = ChatSession(model, system=args.system, sampling=sampling_from_args(args), max_new_tokens=args.gen)
+    session = ChatSession(
+        model, system=args.system, sampling=sampling_from_args(args), max_new_tokens=args.gen, max_context=args.ctx
+    )
     if args.history is not None and args.history.exists():
         session.load_history(args.history)
     elif args.history is not None and not args.history.parent.is_dir():
@@ -553,7 +556,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if not cmd:
                 continue
             n_before = len(session.messages)
-            stream, turn = session.send(line)
+            try:
+                stream, turn = session.send(line)
+            except InputError as e:  # this turn cannot run; the conversation goes on
+                print(f"moestream: error: {e}", file=sys.stderr)
+                continue
             for piece in stream:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
