@@ -147,6 +147,7 @@ def test_a_turn_beyond_the_context_is_refused_and_chat_goes_on(demo):
     chat.finish()
     with pytest.raises(InputError, match="over the context of 40"):
         chat.send("a much longer question that cannot fit " * 3)
-    p = cli("chat", "--ctx", "40", "--gen", "8", input_text="hi\n" + "long words here " * 10 + "\nok\n")
+    p = cli("chat", "--ctx", "48", "--gen", "8", "-v", input_text="hi\n" + "long words here " * 10 + "\nok\n")
     assert p.returncode == 0
-    assert p.stderr.count("over the context of 40") == 1 and "Traceback" not in p.stderr
+    assert p.stderr.count("over the context of 48") == 1 and "Traceback" not in p.stderr
+    assert p.stderr.count("[prefilled") == 2  # the turns before and after the refused one ran
