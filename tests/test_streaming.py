@@ -109,6 +109,7 @@ def test_budgets_and_threads_give_identical_output(packed, tmp_path):
             assert plan["derived_bytes"] > 0  # both models use MLA: its decode matrices are planned
             assert rep["peak_rss"] <= plan["overhead"] + plan["budget"], (rep["peak_rss"], plan)
             assert rep["streaming"]["expert_requests"] > 0
+            assert 0 <= rep["streaming"]["read_seconds_hidden"] <= rep["streaming"]["read_seconds"]
         hit_rates.append(rep["streaming"]["hit_rate"])
     assert hit_rates[0] < hit_rates[-1]  # more memory, more hits (the largest budget holds every expert)
     assert rep["streaming"]["bytes_read"] <= size

@@ -438,7 +438,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"memory: {streaming.plan.describe()}\n"
                 f"experts: {r['expert_requests']} requests, hit rate {100 * r['hit_rate']:.1f}%, "
                 f"{r['bytes_read_per_token'] / 1e6:.1f} MB read per token at {r['read_mb_s']:.0f} MB/s, "
-                f"prefetch accuracy {100 * r['prefetch_accuracy']:.1f}% | peak RSS {report['peak_rss'] / 2**20:.1f} MB",
+                f"prefetch accuracy {100 * r['prefetch_accuracy']:.1f}%, {r['read_seconds_hidden']:.2f} s of "
+                f"{r['read_seconds']:.2f} s reading hidden | peak RSS {report['peak_rss'] / 2**20:.1f} MB",
                 file=sys.stderr,
             )
     return 0

@@ -193,6 +193,8 @@ class Streaming:
             "bytes_read": self.reader.bytes_read,
             "read_seconds": self.reader.seconds,
             "wait_seconds": s.wait_seconds,
+            # reads overlap each other and compute: the time spent reading that compute did not wait for
+            "read_seconds_hidden": max(0.0, self.reader.seconds - s.wait_seconds),
             "prefetch_issued": s.prefetch_issued,
             "prefetch_used": s.prefetch_used,
             "prefetch_accuracy": s.prefetch_used / s.prefetch_issued if s.prefetch_issued else 0.0,
