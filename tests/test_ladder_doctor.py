@@ -95,3 +95,13 @@ def test_progress_and_live_status_do_not_change_results(capsys):
     quiet = io.StringIO()
     LiveStatus(quiet).update("x", force=True)  # not a terminal: nothing written
     assert quiet.getvalue() == ""
+
+
+def test_synth_and_pack_bars_follow_the_progress_flag(tmp_path, capsys):
+    src = synth("qwen3_moe", tmp_path / "quiet", {"num_hidden_layers": 1}, progress=False)
+    pack(src, tmp_path / "quiet-pack", progress=False)
+    assert capsys.readouterr().err == ""
+    synth("qwen3_moe", tmp_path / "shown", {"num_hidden_layers": 1}, progress=True)
+    pack(src, tmp_path / "shown-pack", progress=True)
+    err = capsys.readouterr().err
+    assert "synth qwen3_moe" in err and "pack" in err

@@ -476,7 +476,7 @@ def write_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        bar = tqdm(total=len(entries), desc=desc, unit="tensor", disable=progress is False or None)
+        bar = tqdm(total=len(entries), desc=desc, unit="tensor", disable=None if progress is None else not progress)
         weight_map = {}
         for i, names in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"

@@ -380,7 +380,10 @@ def _write(
     expert_items = [m for m in matrices.values() if is_routed_expert(m.name)]
     expert_items.sort(key=lambda m: (_group_key(m.name), int(_EXPERT.search(m.name).group(1))))  # type: ignore[union-attr]
     bar = tqdm(
-        total=len(trunk_items) + len(expert_items), desc="pack", unit="tensor", disable=progress is False or None
+        total=len(trunk_items) + len(expert_items),
+        desc="pack",
+        unit="tensor",
+        disable=None if progress is None else not progress,
     )
     w = writers["trunk"]
     group = None
