@@ -141,8 +141,8 @@ void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
  * Each 32-block of activations becomes x ~ a * da + b * db with int16 a, b and power-of-two da, db = da/2^15
  * (b carries the rounding residue of a, so the representation is good to 2^-29 of the block's max: float
  * accuracy), stored in the nibble order of the weights (even columns, then odd). Doubled E2M1 values are
- * small integers, so each lane's integer sums are exact; lane L holds columns 4L..4L+3 of the block, and
- * f[L] = fma(sum_a, da * s, f[L]) then fma(sum_b, db * s, f[L]), s = 2^(e-128), in block order. */
+ * small integers, so each lane's integer sums are exact; lane L holds columns 4L..4L+3 of the block,
+ * t = fma(sum_b, db, sum_a * da) and f[L] = fma(t, s, f[L]) with s = 2^(e-128), in block order. */
 
 void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
     ms_mxfp4x *blk = (ms_mxfp4x *)xp;
@@ -180,7 +180,7 @@ void ms_dot4_mxfp4_int_scalar(const ms_matrix *m, int64_t row0, int nrows, const
         const uint8_t *s8 = ms_mxfp4_scale_row(m, row0 + r);
         float f[8] = {0};
         for (int64_t b = 0; b < nb; b++, w += 16) {
-            float s = ms_e8m0_half_lut[s8[b]], sa = x[b].da * s, sb = x[b].db * s;
+            float s = ms_e8m0_half_lut[s8[b]];
             for (int L = 0; L < 8; L++) {
                 int32_t ia = 0, ib = 0;
                 for (int c = 4 * L; c < 4 * L + 4; c++) {
@@ -188,8 +188,8 @@ void ms_dot4_mxfp4_int_scalar(const ms_matrix *m, int64_t row0, int nrows, const
                     ia += k * x[b].a[j];
                     ib += k * x[b].b[j];
                 }
-                f[L] = fmaf((float)ia, sa, f[L]);
-                f[L] = fmaf((float)ib, sb, f[L]);
+                float t = fmaf((float)ib, x[b].db, (float)ia * x[b].da); /* the block's dot with the activations */
+                f[L] = fmaf(t, s, f[L]);
             }
         }
         out[r] = ms_lanes8_reduce(f);

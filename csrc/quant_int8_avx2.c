@@ -175,7 +175,7 @@ static inline mx_act mx_load(const ms_mxfp4x *xb) {
     return a;
 }
 
-static inline __m256 mxfp4_block(const uint8_t *w, uint8_t scale, const ms_mxfp4x *xb, const mx_act *x,
+static inline __m256 mxfp4_block(const uint8_t *w, uint8_t scale, const mx_act *x, __m256 vda, __m256 vdb,
                                  __m128i lut, __m256 f) {
     const __m128i low4 = _mm_set1_epi8(0x0F);
     __m128i bytes = _mm_loadu_si128((const __m128i *)w);
@@ -183,9 +183,8 @@ static inline __m256 mxfp4_block(const uint8_t *w, uint8_t scale, const ms_mxfp4
     __m256i ko = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
     __m256i ia = _mm256_add_epi32(_mm256_madd_epi16(ke, x->ae), _mm256_madd_epi16(ko, x->ao));
     __m256i ib = _mm256_add_epi32(_mm256_madd_epi16(ke, x->be), _mm256_madd_epi16(ko, x->bo));
-    float s = ms_e8m0_half_lut[scale];
-    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(xb->da * s), f);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_set1_ps(xb->db * s), f);
+    __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), vdb, _mm256_mul_ps(_mm256_cvtepi32_ps(ia), vda));
+    return _mm256_fmadd_ps(t, _mm256_set1_ps(ms_e8m0_half_lut[scale]), f);
 }
 
 void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
@@ -206,10 +205,11 @@ void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const f
                 prefetch_ahead(w3 + 16 * b, ahead, 64);
             }
             mx_act a = mx_load(&x[b]);
-            f0 = mxfp4_block(w0 + 16 * b, s0[b], &x[b], &a, lut, f0);
-            f1 = mxfp4_block(w1 + 16 * b, s1[b], &x[b], &a, lut, f1);
-            f2 = mxfp4_block(w2 + 16 * b, s2[b], &x[b], &a, lut, f2);
-            f3 = mxfp4_block(w3 + 16 * b, s3[b], &x[b], &a, lut, f3);
+            __m256 vda = _mm256_set1_ps(x[b].da), vdb = _mm256_set1_ps(x[b].db);
+            f0 = mxfp4_block(w0 + 16 * b, s0[b], &a, vda, vdb, lut, f0);
+            f1 = mxfp4_block(w1 + 16 * b, s1[b], &a, vda, vdb, lut, f1);
+            f2 = mxfp4_block(w2 + 16 * b, s2[b], &a, vda, vdb, lut, f2);
+            f3 = mxfp4_block(w3 + 16 * b, s3[b], &a, vda, vdb, lut, f3);
         }
         out[0] = reduce8(f0);
         out[1] = reduce8(f1);
@@ -222,7 +222,7 @@ void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const f
         __m256 f = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             mx_act a = mx_load(&x[b]);
-            f = mxfp4_block(w + 16 * b, s8[b], &x[b], &a, lut, f);
+            f = mxfp4_block(w + 16 * b, s8[b], &a, _mm256_set1_ps(x[b].da), _mm256_set1_ps(x[b].db), lut, f);
         }
         out[r] = reduce8(f);
     }
