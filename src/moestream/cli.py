@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +17,7 @@ if TYPE_CHECKING:
     from .generate import GenerationStats
     from .runtime.streaming import Streaming
 
+from .atomic import atomic_write
 from .console import LiveStatus
 from .errors import InputError, MoeStreamError
 
@@ -293,14 +292,8 @@ def _read_prompt(args: argparse.Namespace, model: Any, allow_empty: bool = False
 
 
 def _save_npy(path: Path, arr: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as f:
+        np.save(f, arr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -471,14 +464,8 @@ def _report(stats: GenerationStats, threads: int, streaming: Streaming | None) -
 
 
 def _write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "w") as f:
+        f.write(text)
 
 
 def _size(n: float, unit: str) -> str:

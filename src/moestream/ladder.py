@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_write
 from .errors import InputError
 from .runtime.planner import parse_size
 
@@ -92,14 +92,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     h2, l2 = ax2.get_legend_handles_labels()
     ax1.legend(h1 + h2, l1 + l2, loc="upper center", fontsize=8)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_write(path) as f:
+            fig.savefig(f, format="png")
     finally:
         plt.close(fig)
 
@@ -136,10 +131,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"generated ids identical at every budget: {'yes' if same else 'NO'}")
     if args.json is not None:
         text = json.dumps([{k: v for k, v in r.items() if k != "ids"} for r in rows], indent=2) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=f".{args.json.name}.", dir=args.json.parent)
-        with os.fdopen(fd, "w") as f:
+        with atomic_write(args.json, "w") as f:
             f.write(text)
-        os.replace(tmp, args.json)
     if args.plot is not None:
         plot(rows, args.plot, f"memory ladder: {model.name}")
         print(f"plot: {args.plot}")

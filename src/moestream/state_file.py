@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_write
 from .errors import InputError
 from .models.base import State
 
@@ -75,14 +74,8 @@ def save_state(path: Path, model: Any, state: State, pending: list[int] | None =
         "layers": layers,
     }
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            np.savez(out, **arrays)  # type: ignore[arg-type]
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as out:
+        np.savez(out, **arrays)  # type: ignore[arg-type]
 
 
 def load_state(path: Path, model: Any) -> tuple[State, list[int]]:
