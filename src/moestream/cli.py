@@ -95,6 +95,10 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
+
+
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     from .runtime.policies import DEFAULT_POLICY, POLICIES
 
@@ -130,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", "-f", type=Path, help="read the prompt text from this file")
     src.add_argument("--ids", help="prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed)")
     r.add_argument("--gen", "-n", type=_int_at_least(0), default=32, help="tokens to generate (default 32)")
-    r.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
+    add_threads_arg(r)
     r.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (checking)")
     r.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-text token")
     r.add_argument("--no-bos", action="store_true", help="do not add the BOS token to a text prompt")
@@ -171,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gen", "-n", type=_int_at_least(1), default=256, help="most tokens per reply (default 256)")
     c.add_argument("--history", type=Path, metavar="FILE.jsonl", help="resume from and append to this history")
     c.add_argument("--ctx", type=_int_at_least(1), default=4096, help="most tokens in the conversation (default 4096)")
-    c.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
+    add_threads_arg(c)
     c.add_argument("--verbose", "-v", action="store_true", help="after each reply, the tokens prefilled and tok/s")
     add_memory_args(c)
     add_sampling_args(c, temperature=0.0)
@@ -188,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model-name", help="the model id clients use (default: the directory name)")
     v.add_argument("--ctx", type=_int_at_least(1), default=4096, help="most tokens per request, prompt + reply")
     v.add_argument("--max-tokens", type=_int_at_least(1), default=1024, help="most tokens a request may generate")
-    v.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
+    add_threads_arg(v)
     add_memory_args(v)
 
     d = sub.add_parser(
@@ -211,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ram", required=True, help="budgets, comma-separated, e.g. 2G,4G,8G (max: everything)")
     b.add_argument("--prompt-tokens", type=_int_at_least(1), default=32, help="prompt length (default 32)")
     b.add_argument("--gen", "-n", type=_int_at_least(2), default=16, help="tokens to generate (default 16)")
-    b.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
+    add_threads_arg(b)
     b.add_argument("--plot", type=Path, metavar="FILE.png", help="write the ladder as a PNG")
     b.add_argument("--json", type=Path, metavar="FILE.json", help="write the rows as JSON")
 
@@ -298,13 +302,11 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .default_model import default_model_path
-    from .formats.packed import PackedStore
     from .generate import GenerationStats, load
     from .runtime import planner
 
     if args.list_presets:
-        for name, what in planner.PRESET_HELP.items():
-            print(f"{name:12s} {what}")
+        _print_presets()
         return 0
     budget = planner.resolve_budget(args.ram, args.preset)
     path = Path(args.model) if args.model else default_model_path()
@@ -325,21 +327,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError(f"{path}: the model has no tokenizer; use --json to get the generated ids")
     if sampling.stop and model.tokenizer is None:
         raise InputError(f"{path}: --stop needs a tokenizer (the model has none)")
-    streaming = None
-    if budget is not None:
-        from .runtime.streaming import attach
-
-        if not isinstance(model.store, PackedStore):
-            raise InputError(f"{path}: --ram streams from a packed store; make one with `moestream pack {path} DST`")
-        streaming = attach(
-            model,
-            model.store,
-            budget,
-            context=len(state.ids) + len(prompt) + args.gen,
-            prompt_tokens=len(prompt),
-            policy=args.cache_policy,
-            prefetch=not args.no_prefetch,
-        )
+    context = len(state.ids) + len(prompt) + args.gen
+    streaming = _stream_within(model, path, budget, args, context=context, prompt_tokens=len(prompt))
     trace = None
     if args.trace is not None:
         from .runtime.streaming import record_trace
@@ -475,39 +464,50 @@ def _size(n: float, unit: str) -> str:
     return f"{n:.0f} {unit}"
 
 
-def load_for_serving(args: argparse.Namespace) -> tuple[Any, Streaming | None]:
-    """The model of chat/serve with its --ram/--preset budget attached (context: --ctx or 4096)."""
-    from .default_model import default_model_path
+def _print_presets() -> None:
+    from .runtime import planner
+
+    for name, what in planner.PRESET_HELP.items():
+        print(f"{name:12s} {what}")
+
+
+def _stream_within(
+    model: Any, path: Path, budget: int | None, args: argparse.Namespace, context: int, prompt_tokens: int
+) -> Streaming | None:
+    """Attaches the --ram/--preset budget (None: resident) to a loaded model, planned for `context` tokens."""
+    if budget is None:
+        return None
     from .formats.packed import PackedStore
+    from .runtime.streaming import attach
+
+    if not isinstance(model.store, PackedStore):
+        raise InputError(f"{path}: --ram streams from a packed store; make one with `moestream pack {path} DST`")
+    return attach(
+        model,
+        model.store,
+        budget,
+        context=context,
+        prompt_tokens=prompt_tokens,
+        policy=args.cache_policy,
+        prefetch=not args.no_prefetch,
+    )
+
+
+def load_for_serving(args: argparse.Namespace) -> tuple[Any, Streaming | None]:
+    """The model of chat/serve with its --ram/--preset budget attached, planned for --ctx tokens."""
+    from .default_model import default_model_path
     from .generate import load
     from .runtime import planner
 
     if args.list_presets:
-        for name, what in planner.PRESET_HELP.items():
-            print(f"{name:12s} {what}")
+        _print_presets()
         raise SystemExit(0)
     budget = planner.resolve_budget(args.ram, args.preset)
     path = Path(args.model) if args.model else default_model_path()
     model = load(path, threads=args.threads, preload=False if budget is not None else None)
     if model.tokenizer is None:
         raise InputError(f"{path}: the model has no tokenizer (tokenizer.json or tiktoken.model)")
-    streaming = None
-    if budget is not None:
-        from .runtime.streaming import attach
-
-        if not isinstance(model.store, PackedStore):
-            raise InputError(f"{path}: --ram streams from a packed store; make one with `moestream pack {path} DST`")
-        ctx = getattr(args, "ctx", 4096)
-        streaming = attach(
-            model,
-            model.store,
-            budget,
-            context=ctx,
-            prompt_tokens=ctx,
-            policy=args.cache_policy,
-            prefetch=not args.no_prefetch,
-        )
-    return model, streaming
+    return model, _stream_within(model, path, budget, args, context=args.ctx, prompt_tokens=args.ctx)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
