@@ -73,15 +73,18 @@ class Sampler:
             self._rng = np.random.Generator(np.random.PCG64(seed))
         return self._rng
 
+    @property
+    def penalizes(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
     def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """logits [vocab] after the repetition, presence and frequency penalties, as float64."""
         p = self.params
         out = np.asarray(logits, np.float64).copy()
-        if p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0:
+        if not self.penalizes:
             return out
-        window = (
-            list(history) if p.penalty_last_n == -1 else list(history)[-p.penalty_last_n :] if p.penalty_last_n else []
-        )
+        window = history if p.penalty_last_n == -1 else history[-p.penalty_last_n :] if p.penalty_last_n else ()
         if not window:
             return out
         counts = Counter(window)
@@ -122,8 +125,8 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         p = self.params
-        if p.greedy:
-            return int(np.argmax(self.penalized(logits, history)))
+        if p.greedy:  # no copy of the logits unless a penalty changes them
+            return int(np.argmax(self.penalized(logits, history) if self.penalizes else logits))
         probs = self.distribution(logits, history)
         order = np.flatnonzero(probs)  # token ids in increasing order: a fixed walk
         cum = np.cumsum(probs[order])
