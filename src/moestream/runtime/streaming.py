@@ -70,23 +70,21 @@ class ChunkedHead:
     matrix (the kernels compute every output row the same way whatever rows share the call)."""
 
     def __init__(self, weight: Any, rows_per_chunk: int, mm: Any, base: int):
-        self.weight, self.mm, self.base = weight, mm, base
+        self.weight, self.mm = weight, mm
         self.rows, self.cols = weight.rows, weight.cols
         self.chunks = [(r, min(r + rows_per_chunk, weight.rows)) for r in range(0, weight.rows, rows_per_chunk)]
-
-    def spans(self, k: int) -> list[tuple[int, int]]:
-        r0, r1 = self.chunks[k]
-        w = self.weight.row_slice(r0, r1)
-        out = [_span(w.data, self.base)]
-        if w.scales is not None:
-            out.append(_span(w.scales, self.base))
-        return out
+        self.slices = [weight.row_slice(r0, r1) for r0, r1 in self.chunks]
+        # each chunk's page-aligned byte ranges in the map (its rows, and their scales when separate)
+        self.spans: list[list[tuple[int, int]]] = []
+        for w in self.slices:
+            ranges = [_span(a, base) for a in (w.data, w.scales) if a is not None]
+            size = len(mm) if mm is not None else 0
+            self.spans.append([(a - a % ALIGN, min(-(-b // ALIGN) * ALIGN, size)) for a, b in ranges])
 
     def advise(self, k: int, opt: int) -> None:
         if self.mm is None:
             return
-        for a, b in self.spans(k):
-            a, b = a - a % ALIGN, min(-(-b // ALIGN) * ALIGN, len(self.mm))
+        for a, b in self.spans[k]:
             if b > a:
                 with contextlib.suppress(OSError, ValueError):
                     self.mm.madvise(opt, a, b - a)
@@ -97,10 +95,10 @@ class ChunkedHead:
         if x.ndim == 1:
             x = x[None]
         out = np.empty((x.shape[0], self.rows), np.float32)
-        for k, (r0, r1) in enumerate(self.chunks):
+        for k, ((r0, r1), w) in enumerate(zip(self.chunks, self.slices, strict=True)):
             if k + 1 < len(self.chunks):
                 self.advise(k + 1, mmap.MADV_WILLNEED)
-            out[:, r0:r1] = self.weight.row_slice(r0, r1).matmul(x, threads)
+            out[:, r0:r1] = w.matmul(x, threads)
             self.advise(k, mmap.MADV_DONTNEED)
         return out
 
@@ -216,7 +214,9 @@ class Layout:
     slot_bytes: int
     groups: dict[str, tuple[int, int]]
     top_k: int
-    head_chunk_bytes: int = 0  # > 0: the lm_head can stream in chunks of about this size
+    head: Any = None  # the lm_head Weight when it can stream in row chunks
+    head_chunk_rows: int = 0
+    head_chunk_bytes: int = 0  # what one chunk needs in flight (planned as the head's streaming room)
 
 
 def layout(model: Any, store: PackedStore) -> Layout:
@@ -239,14 +239,14 @@ def layout(model: Any, store: PackedStore) -> Layout:
     slot_bytes = max(t.nbytes for t in templates.values())
     slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
     groups = trunk_groups(store)
-    head = chunkable_head(decoder, store)
-    chunk = 0
-    if head is not None and "head" in groups:
-        # a chunk as large as the largest layer part: the head then never sets the streaming room
-        layer_max = max((b - a for g, (a, b) in groups.items() if g.startswith("layer.")), default=0)
-        rows = head_chunk_rows(head, max(layer_max, ALIGN))
-        chunk = -(-rows * max(1, head.nbytes // max(1, head.rows)) // ALIGN) * ALIGN + 2 * ALIGN
-    return Layout(layers, templates, slot_bytes, groups, top_k, chunk)
+    head = chunkable_head(decoder, store) if "head" in groups else None
+    if head is None:
+        return Layout(layers, templates, slot_bytes, groups, top_k)
+    # a chunk as large as the largest layer part: the head then never sets the streaming room
+    layer_max = max((b - a for g, (a, b) in groups.items() if g.startswith("layer.")), default=0)
+    rows = head_chunk_rows(head, max(layer_max, ALIGN))
+    chunk = -(-rows * max(1, head.nbytes // max(1, head.rows)) // ALIGN) * ALIGN + 2 * ALIGN
+    return Layout(layers, templates, slot_bytes, groups, top_k, head, rows, chunk)
 
 
 def derived_bytes(decoder: Any) -> int:
@@ -313,13 +313,12 @@ def attach(
         for (_, se), (nxt_moe, nxt_se) in itertools.pairwise(streamed):
             se.next = (nxt_moe.router, nxt_se)
     chunked: dict[str, ChunkedHead] = {}
-    head = chunkable_head(model.decoder, store)
-    if lay.head_chunk_bytes and head is not None and "head" not in plan.pinned:
-        rows = head_chunk_rows(head, lay.head_chunk_bytes - 2 * ALIGN)
+    if lay.head is not None and "head" not in plan.pinned:
         trunk_map = store.maps["trunk"]
-        chunked["head"] = ChunkedHead(head, rows, getattr(trunk_map, "_mmap", None), int(trunk_map.ctypes.data))
+        mm = getattr(trunk_map, "_mmap", None)
+        chunked["head"] = ChunkedHead(lay.head, lay.head_chunk_rows, mm, int(trunk_map.ctypes.data))
         model.decoder.lm_head = chunked["head"]
-        plan.notes.append(f"lm_head streamed in {len(chunked['head'].chunks)} chunks of {rows} rows")
+        plan.notes.append(f"lm_head streamed in {len(chunked['head'].chunks)} chunks of {lay.head_chunk_rows} rows")
     trunk = TrunkStreamer(store, lay.groups, plan.pinned, chunked)
     model.decoder.hooks = trunk
     return Streaming(plan, cache, reader, trunk)
