@@ -38,16 +38,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def mem_total() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def memory_bandwidth(threads: int) -> float:
     """GB/s of a 256 MiB read by the kernels' own memory-read loop."""
     buf = aligned_empty(256 << 20)
@@ -66,7 +56,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "cores": threads,
         "simd": _C.supported_isas(),
         "kernel_path": _C.get_isa(),
-        "mem_total": mem_total(),
+        "mem_total": planner.meminfo("MemTotal"),
         "mem_available": planner.mem_available(),
         "cgroup_limit": planner.cgroup_limit(),
         "memory_read_gb_s": memory_bandwidth(threads),
@@ -116,7 +106,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         raise InputError(f"{path}: no weight files to measure")
     packed = isinstance(store, PackedStore)
     if packed:
-        from .runtime.streaming import layout
+        from .runtime.streaming import layout, plan_budget
 
         lay = layout(model, store)
         target, block = path / store.manifest["files"]["experts"], lay.slot_bytes
@@ -135,7 +125,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         budget = planner.resolve_budget(None, name)
         assert budget is not None
         try:
-            plan = planner_plan(model, lay, budget)
+            plan = plan_budget(model, lay, budget, context=4096, prompt_tokens=512)
         except InputError:
             rows.append((name, budget, None, None))
             continue
@@ -163,9 +153,3 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         f"({1 / est['seconds_per_token']:.1f} tok/s), estimated"
     )
     return 0
-
-
-def planner_plan(model: Any, lay: Any, budget: int) -> planner.Plan:
-    from .runtime.streaming import plan_budget
-
-    return plan_budget(model, lay, budget, context=4096, prompt_tokens=512)

@@ -68,14 +68,19 @@ def cgroup_limit() -> int:
     return 0
 
 
-def mem_available() -> int:
+def meminfo(key: str) -> int:
+    """A /proc/meminfo field ("MemAvailable", "MemTotal") in bytes, or 0 where there is none."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def mem_available() -> int:
+    return meminfo("MemAvailable")
 
 
 def resolve_budget(ram: str | None, preset: str | None) -> int | None:
