@@ -190,9 +190,8 @@ class Model:
     ) -> TextStream:
         """Text as it is generated, with stop strings applied: iterate for the pieces; afterwards the
         stream holds tokens, text and finish_reason ("stop" for end of text or a stop string, "length")."""
-        stream = TextStream(self, prompt, max_new_tokens, sampling or GREEDY, state, stop_at_eos, stats, progress)
-        stream.generate_kwargs = generate_kwargs  # logits_out, use_cache
-        return stream
+        sampling = sampling or GREEDY
+        return TextStream(self, prompt, max_new_tokens, sampling, state, stop_at_eos, stats, progress, generate_kwargs)
 
 
 class TextStream:
@@ -208,6 +207,7 @@ class TextStream:
         stop_at_eos: bool,
         stats: GenerationStats | None,
         progress: bool | None,
+        generate_kwargs: dict[str, Any] | None = None,  # passed on to Model.generate (logits_out, use_cache)
     ):
         self.model, self.prompt, self.max_new_tokens = model, prompt, max_new_tokens
         self.sampling, self.state, self.stop_at_eos, self.progress = sampling, state, stop_at_eos, progress
@@ -215,7 +215,7 @@ class TextStream:
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
-        self.generate_kwargs: dict[str, Any] = {}
+        self.generate_kwargs = generate_kwargs or {}
 
     def __iter__(self) -> Iterator[str]:
         model = self.model
