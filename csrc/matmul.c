@@ -47,6 +47,8 @@ static void row_range(int64_t rows, int ith, int nth, int64_t *r0, int64_t *r1) 
     if (*r0 > rows) *r0 = rows;
 }
 
+/* One product of a batch as the threads see it: the activations prepared (or not) and the cost of
+ * its 4-row tiles, by which the batch's tiles are shared out. */
 typedef struct {
     const ms_matrix *m;
     const char *x;    /* token t's activations (prepared or not) start at x + t * stride */
@@ -54,46 +56,132 @@ typedef struct {
     int64_t T;
     float *out;
     ms_dot4_fn dot4;
-    ms_gemm_fn gemm; /* NULL: dot4 per token */
-} matmul_job;
+    ms_gemm_fn gemm;  /* NULL: dot4 per token */
+    int64_t tiles;
+    int64_t tile_cost; /* weight bytes of a tile times tokens */
+    int64_t cost0;     /* cost of the products before this one */
+} product_job;
 
-static void matmul_task(void *ctx, int ith, int nth) {
-    const matmul_job *j = ctx;
-    int64_t r0, r1;
-    row_range(j->m->rows, ith, nth, &r0, &r1);
+typedef struct {
+    product_job *jobs;
+    int n;
+    int64_t cost;
+} batch_job;
+
+static void run_tile(const product_job *j, int64_t tile) {
+    int64_t r = tile * 4;
+    int nr = j->m->rows - r < 4 ? (int)(j->m->rows - r) : 4;
+    if (j->gemm != NULL) {
+        j->gemm(j->m, r, nr, j->x, j->stride, j->T, j->out + r, j->m->rows);
+        return;
+    }
     float tmp[4];
-    for (int64_t r = r0; r < r1; r += 4) {
-        int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
-        if (j->gemm != NULL) {
-            j->gemm(j->m, r, nr, j->x, j->stride, j->T, j->out + r, j->m->rows);
-            continue;
-        }
-        for (int64_t t = 0; t < j->T; t++) {
-            j->dot4(j->m, r, nr, (const float *)(j->x + t * j->stride), tmp);
-            memcpy(j->out + t * j->m->rows + r, tmp, (size_t)nr * sizeof(float));
-        }
+    for (int64_t t = 0; t < j->T; t++) {
+        j->dot4(j->m, r, nr, (const float *)(j->x + t * j->stride), tmp);
+        memcpy(j->out + t * j->m->rows + r, tmp, (size_t)nr * sizeof(float));
     }
 }
 
-int ms_matmul(const ms_matrix *m, const float *x, int64_t T, float *out, int nthreads) {
-    const ms_format_traits *f = &ms_formats[m->fmt];
-    ms_prep_x_fn prep = f->prep_x[active_isa];
-    int64_t stride = m->cols * (int64_t)sizeof(float);
-    char *xp = NULL;
-    if (prep != NULL) {
-        if (f->prep_bytes) stride = (m->cols / f->block) * f->prep_bytes;
-        stride = (stride + 63) & ~(int64_t)63;
-        xp = malloc((size_t)(T * stride));
-        if (xp == NULL) return -1;
-        for (int64_t t = 0; t < T; t++) prep(x + t * m->cols, m->cols, (float *)(xp + t * stride));
+/* Thread ith runs the tiles whose first cost unit lies in [cost * ith / nth, cost * (ith + 1) / nth):
+ * contiguous rows of each product, every row computed as it would be alone. */
+static void batch_task(void *ctx, int ith, int nth) {
+    const batch_job *b = ctx;
+    int64_t lo = b->cost * ith / nth, hi = b->cost * (ith + 1) / nth;
+    for (int i = 0; i < b->n; i++) {
+        const product_job *j = &b->jobs[i];
+        int64_t c = j->tile_cost;
+        int64_t end = j->cost0 + j->tiles * c;
+        if (end <= lo || j->cost0 >= hi) continue;
+        int64_t k0 = lo <= j->cost0 ? 0 : (lo - j->cost0 + c - 1) / c;
+        int64_t k1 = hi >= end ? j->tiles : (hi - j->cost0 + c - 1) / c;
+        for (int64_t k = k0; k < k1; k++) run_tile(j, k);
     }
-    matmul_job j = {m, xp ? xp : (const char *)x, stride, T, out, f->dot4[active_isa],
-                    T > 1 ? f->gemm[active_isa] : NULL};
-    int64_t tiles = (m->rows + 3) / 4;
+}
+
+/* The prepared activations of product i may be those of an earlier product j: same tokens, same
+ * preparation. Returns j, or -1. */
+static int same_prepared(const ms_product *p, int i, const ms_prep_x_fn *prep) {
+    for (int j = 0; j < i; j++) {
+        if (p[j].x == p[i].x && p[j].T == p[i].T && p[j].m.cols == p[i].m.cols && prep[j] == prep[i] &&
+            ms_formats[p[j].m.fmt].prep_bytes == ms_formats[p[i].m.fmt].prep_bytes &&
+            ms_formats[p[j].m.fmt].block == ms_formats[p[i].m.fmt].block)
+            return j;
+    }
+    return -1;
+}
+
+int ms_matmul_many(const ms_product *p, int n, int nthreads) {
+    if (n <= 0) return 0;
+    product_job *jobs = calloc((size_t)n, sizeof(product_job));
+    ms_prep_x_fn *prep = calloc((size_t)n, sizeof(ms_prep_x_fn));
+    int64_t *offset = calloc((size_t)n, sizeof(int64_t)); /* into the prepared buffer; -1: raw x */
+    if (jobs == NULL || prep == NULL || offset == NULL) {
+        free(jobs);
+        free(prep);
+        free(offset);
+        return -1;
+    }
+    int64_t prepared = 0, cost = 0, tiles = 0;
+    for (int i = 0; i < n; i++) {
+        const ms_format_traits *f = &ms_formats[p[i].m.fmt];
+        product_job *j = &jobs[i];
+        prep[i] = f->prep_x[active_isa];
+        j->m = &p[i].m;
+        j->T = p[i].T;
+        j->out = p[i].out;
+        j->dot4 = f->dot4[active_isa];
+        j->gemm = p[i].T > 1 ? f->gemm[active_isa] : NULL;
+        j->stride = p[i].m.cols * (int64_t)sizeof(float);
+        offset[i] = -1;
+        if (prep[i] != NULL) {
+            if (f->prep_bytes) j->stride = (p[i].m.cols / f->block) * f->prep_bytes;
+            j->stride = (j->stride + 63) & ~(int64_t)63;
+            int s = same_prepared(p, i, prep);
+            if (s >= 0) {
+                offset[i] = offset[s];
+            } else {
+                offset[i] = prepared;
+                prepared += p[i].T * j->stride;
+            }
+        }
+        j->tiles = (p[i].m.rows + 3) / 4;
+        j->tile_cost = 4 * p[i].m.row_bytes * p[i].T;
+        j->cost0 = cost;
+        cost += j->tiles * j->tile_cost;
+        tiles += j->tiles;
+    }
+    char *xp = NULL;
+    if (prepared > 0 && (xp = aligned_alloc(64, (size_t)prepared)) == NULL) {
+        free(jobs);
+        free(prep);
+        free(offset);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        product_job *j = &jobs[i];
+        if (offset[i] < 0) {
+            j->x = (const char *)p[i].x;
+            continue;
+        }
+        j->x = xp + offset[i];
+        int s = same_prepared(p, i, prep);
+        if (s >= 0) continue;
+        for (int64_t t = 0; t < p[i].T; t++)
+            prep[i](p[i].x + t * p[i].m.cols, p[i].m.cols, (float *)(xp + offset[i] + t * j->stride));
+    }
+    batch_job b = {jobs, n, cost};
     if (nthreads > tiles) nthreads = (int)tiles;
-    ms_parallel(nthreads < 1 ? 1 : nthreads, matmul_task, &j);
+    ms_parallel(nthreads < 1 ? 1 : nthreads, batch_task, &b);
     free(xp);
+    free(jobs);
+    free(prep);
+    free(offset);
     return 0;
+}
+
+int ms_matmul(const ms_matrix *m, const float *x, int64_t T, float *out, int nthreads) {
+    ms_product p = {*m, x, T, out};
+    return ms_matmul_many(&p, 1, nthreads);
 }
 
 typedef struct {

@@ -14,6 +14,19 @@ int ms_set_isa(ms_isa isa); /* 0 on success, -1 if this CPU lacks it */
  * nthreads or on T. */
 /* 0, or -1 when the prepared activations cannot be allocated */
 int ms_matmul(const ms_matrix *m, const float *x, int64_t T, float *out, int nthreads);
+
+/* One product of a batch: out [T, rows] = x [T, cols] W^T. */
+typedef struct {
+    ms_matrix m;
+    const float *x;
+    int64_t T;
+    float *out;
+} ms_product;
+
+/* n products in one parallel pass (the tiles of all of them shared out among the threads by weight
+ * bytes times tokens), activations prepared once when several products take the same x. Each result
+ * is bit for bit what ms_matmul gives for that product alone. 0, or -1 when out of memory. */
+int ms_matmul_many(const ms_product *p, int n, int nthreads);
 void ms_dequant(const ms_matrix *m, float *out, int nthreads);
 /* Reads n bytes as a memory bandwidth baseline; returns a checksum. */
 double ms_memread(const uint8_t *p, int64_t n, int nthreads);

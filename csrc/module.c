@@ -65,53 +65,121 @@ static int make_matrix(int fmt, Py_buffer *w, Py_buffer *s, int has_scales, long
     return 0;
 }
 
-static PyObject *py_matmul(PyObject *self, PyObject *args) {
-    (void)self;
-    int fmt, threads;
-    long long rows, cols;
+/* The buffers one product holds while it runs. */
+typedef struct {
     Py_buffer w, s, x, out;
+    int has_scales;
+} product_buffers;
+
+static void release_product(product_buffers *b) {
+    PyBuffer_Release(&b->w);
+    if (b->has_scales) PyBuffer_Release(&b->s);
+    PyBuffer_Release(&b->x);
+    PyBuffer_Release(&b->out);
+}
+
+/* (fmt, w, scales, rows, cols, x, out) -> p with every size checked. 0 with the buffers held (release
+ * them with release_product), or -1 with a Python exception set and nothing held. */
+static int parse_product(PyObject *args, ms_product *p, product_buffers *b) {
+    int fmt;
+    long long rows, cols;
     PyObject *scales_obj;
-    if (!PyArg_ParseTuple(args, "iy*OLLy*w*i", &fmt, &w, &scales_obj, &rows, &cols, &x, &out, &threads))
-        return NULL;
-    int has_scales = scales_obj != Py_None;
-    if (has_scales && PyObject_GetBuffer(scales_obj, &s, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&w);
-        PyBuffer_Release(&x);
-        PyBuffer_Release(&out);
-        return NULL;
+    if (!PyArg_ParseTuple(args, "iy*OLLy*w*", &fmt, &b->w, &scales_obj, &rows, &cols, &b->x, &b->out)) return -1;
+    b->has_scales = scales_obj != Py_None;
+    if (b->has_scales && PyObject_GetBuffer(scales_obj, &b->s, PyBUF_SIMPLE) < 0) {
+        b->has_scales = 0;
+        release_product(b);
+        return -1;
     }
-    ms_matrix m;
-    PyObject *ret = NULL;
-    if (make_matrix(fmt, &w, &s, has_scales, rows, cols, &m) < 0) goto done;
-    if (x.len % (cols * (Py_ssize_t)sizeof(float)) != 0) {
-        PyErr_Format(PyExc_ValueError, "x has %zd bytes, not a whole number of f32 rows of %lld", x.len, cols);
-        goto done;
+    if (make_matrix(fmt, &b->w, &b->s, b->has_scales, rows, cols, &p->m) < 0) goto fail;
+    if (b->x.len % (cols * (Py_ssize_t)sizeof(float)) != 0) {
+        PyErr_Format(PyExc_ValueError, "x has %zd bytes, not a whole number of f32 rows of %lld", b->x.len, cols);
+        goto fail;
     }
-    long long T = x.len / (cols * (Py_ssize_t)sizeof(float));
-    if (out.len != T * rows * (Py_ssize_t)sizeof(float)) {
-        PyErr_Format(PyExc_ValueError, "out has %zd bytes, [%lld, %lld] f32 needs %lld", out.len, T, rows,
+    long long T = b->x.len / (cols * (Py_ssize_t)sizeof(float));
+    if (b->out.len != T * rows * (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "out has %zd bytes, [%lld, %lld] f32 needs %lld", b->out.len, T, rows,
                      T * rows * 4);
-        goto done;
+        goto fail;
     }
-    if (((uintptr_t)x.buf | (uintptr_t)out.buf) % sizeof(float) != 0) {
+    if (((uintptr_t)b->x.buf | (uintptr_t)b->out.buf) % sizeof(float) != 0) {
         PyErr_SetString(PyExc_ValueError, "x and out must be 4-byte aligned");
-        goto done;
+        goto fail;
     }
+    p->x = (const float *)b->x.buf;
+    p->T = T;
+    p->out = (float *)b->out.buf;
+    return 0;
+fail:
+    release_product(b);
+    return -1;
+}
+
+static PyObject *run_products(ms_product *p, int n, int threads) {
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = ms_matmul(&m, (const float *)x.buf, T, (float *)out.buf, threads);
+    rc = ms_matmul_many(p, n, threads);
     Py_END_ALLOW_THREADS
-    if (rc != 0) {
+    if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n != 8) {
+        PyErr_Format(PyExc_TypeError, "matmul takes 8 arguments (%zd given)", n);
+        return NULL;
+    }
+    int threads = PyLong_AsLong(PyTuple_GET_ITEM(args, 7));
+    if (threads == -1 && PyErr_Occurred()) return NULL;
+    PyObject *head = PyTuple_GetSlice(args, 0, 7);
+    if (head == NULL) return NULL;
+    ms_product p;
+    product_buffers b;
+    int rc = parse_product(head, &p, &b);
+    Py_DECREF(head);
+    if (rc < 0) return NULL;
+    PyObject *ret = run_products(&p, 1, threads);
+    release_product(&b);
+    return ret;
+}
+
+static PyObject *py_matmul_many(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Oi", &seq, &threads)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "matmul_many takes a sequence of products");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > 1 << 20) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "too many products in one batch");
+        return NULL;
+    }
+    ms_product *p = PyMem_Calloc((size_t)(n ? n : 1), sizeof(ms_product));
+    product_buffers *b = PyMem_Calloc((size_t)(n ? n : 1), sizeof(product_buffers));
+    PyObject *ret = NULL;
+    Py_ssize_t held = 0;
+    if (p == NULL || b == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    ret = Py_None;
-    Py_INCREF(ret);
+    for (; held < n; held++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, held);
+        if (!PyTuple_Check(item)) {
+            PyErr_SetString(PyExc_TypeError, "each product is a tuple (fmt, w, scales, rows, cols, x, out)");
+            goto done;
+        }
+        if (parse_product(item, &p[held], &b[held]) < 0) goto done;
+    }
+    ret = run_products(p, (int)n, threads);
 done:
-    PyBuffer_Release(&w);
-    if (has_scales) PyBuffer_Release(&s);
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&out);
+    for (Py_ssize_t i = 0; i < held; i++) release_product(&b[i]);
+    PyMem_Free(p);
+    PyMem_Free(b);
+    Py_DECREF(fast);
     return ret;
 }
 
@@ -245,6 +313,8 @@ static PyMethodDef methods[] = {
      "pread(fd, buffer, offset, n): read n bytes at offset into buffer (GIL released); returns bytes read"},
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(fmt, w, scales, rows, cols, x, out, threads): out[T, rows] = x[T, cols] @ W.T"},
+    {"matmul_many", py_matmul_many, METH_VARARGS,
+     "matmul_many([(fmt, w, scales, rows, cols, x, out), ...], threads): several products in one parallel pass"},
     {"dequant", py_dequant, METH_VARARGS, "dequant(fmt, w, scales, rows, cols, out, threads): W as f32"},
     {"memread", py_memread, METH_VARARGS, "memread(buffer, threads): read every byte (bandwidth baseline)"},
     {"get_isa", py_get_isa, METH_NOARGS, "the instruction set the kernels use"},

@@ -165,7 +165,7 @@ void ms_dot4_fp8_scalar(const ms_matrix *m, int64_t row0, int nrows, const float
 #define INT8_ROW(NAME, BLOCK, BYTES, PREP)                                                   \
     {#NAME, BLOCK, BYTES,                                                                    \
      {ms_dot4_##NAME##_scalar, ms_dot4_##NAME##_avx2, ms_dot4_##NAME##_avx2},                \
-     {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks}, {PREP, PREP, PREP}}
+     {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks}, {PREP, PREP##_avx2, PREP##_avx2}}
 
 const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_F32] = ROW(f32, 1, 4, NULL),
@@ -180,7 +180,7 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_Q4_K] = {"q4_k", 256, 144,
                  {ms_dot4_q4_k_scalar, ms_dot4_q4_k_avx2, ms_dot4_q4_k_avx2},
                  {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},
-                 {ms_prep_x_q8_k, ms_prep_x_q8_k, ms_prep_x_q8_k}, 0,
+                 {ms_prep_x_q8_k, ms_prep_x_q8_k_avx2, ms_prep_x_q8_k_avx2}, 0,
                  {NULL, ms_gemm_q4_k_avx2, ms_gemm_q4_k_avx2}},
     [MS_Q6_K] = INT8_ROW(q6_k, 256, 210, ms_prep_x_q8_k),
     [MS_Q3_K] = BLOCK_ROW(q3_k, 256, 110),
@@ -190,5 +190,5 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_INT4_G32] = {"int4", 32, 16,
                      {ms_dot4_int4_scalar, ms_dot4_int4_avx2, ms_dot4_int4_avx2},
                      {ms_dequant_int4, ms_dequant_int4, ms_dequant_int4},
-                     {ms_prep_x_q8_0, ms_prep_x_q8_0, ms_prep_x_q8_0}},
+                     {ms_prep_x_q8_0, ms_prep_x_q8_0_avx2, ms_prep_x_q8_0_avx2}},
 };

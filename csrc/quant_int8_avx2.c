@@ -61,10 +61,15 @@ static inline void unpack_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t m
     memcpy(mn + 4, &mn_hi, 4);
 }
 
+/* int16 index m of each 128-bit lane in all eight of its int16 slots (pshufb masks, m = 0..7) */
+static inline __m256i lane_word_mask(int m) { return _mm256_set1_epi16((short)((2 * m) | ((2 * m + 1) << 8))); }
+
 void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     int64_t nb = m->cols / 256;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i pick[8];
+    for (int i = 0; i < 8; i++) pick[i] = lane_word_mask(i);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 f = _mm256_setzero_ps();
@@ -73,6 +78,8 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
             prefetch_ahead(w, 4 * m->row_bytes, 144);
             uint8_t sc[8], mn[8];
             unpack_q4_k_scales(w + 4, sc, mn);
+            /* the 8 scales as int16 in both lanes; sub-block j's scale in every slot by one byte shuffle */
+            __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
             const uint8_t *q = w + 16;
             const int8_t *qx = x[b].q;
             __m256i acc = _mm256_setzero_si256();
@@ -82,8 +89,8 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
                 __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(qx + 64 * k)));
                 __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(qx + 64 * k + 32)));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sc[2 * k])));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sc[2 * k + 1])));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, _mm256_shuffle_epi8(scales, pick[2 * k])));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, _mm256_shuffle_epi8(scales, pick[2 * k + 1])));
             }
             __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
             __m128i ms = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x[b].bsums));
@@ -124,12 +131,18 @@ void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     int64_t nb = m->cols / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    /* the 16 int8 scales reordered even ones first, so that after widening the low lane holds the even
+     * scales and the high lane the odd ones: scale pair (g, g + 1) is int16 g / 2 of both lanes */
+    const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256i pick[8];
+    for (int i = 0; i < 8; i++) pick[i] = lane_word_mask(i);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 f = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, w += 210) {
             prefetch_ahead(w, 4 * m->row_bytes, 210);
-            const int8_t *sc = (const int8_t *)(w + 192);
+            __m256i scales =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), even_odd));
             const int8_t *qx = x[b].q;
             __m256i acc = _mm256_setzero_si256();
             for (int h = 0; h < 2; h++) {
@@ -148,8 +161,7 @@ void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
                     __m256i v = _mm256_sub_epi8(q[k], k32);
                     __m256i xx = _mm256_loadu_si256((const __m256i *)(qx + 128 * h + 32 * k));
                     __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xx, v));
-                    int g = 8 * h + 2 * k;
-                    __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+                    __m256i s16 = _mm256_shuffle_epi8(scales, pick[4 * h + k]); /* sc[g] low, sc[g + 1] high */
                     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s16));
                 }
             }
@@ -302,5 +314,64 @@ void ms_gemm_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *
             }
             out[t * out_stride + r] = reduce8(f) - fmin;
         }
+    }
+}
+
+/* ---- activation quantization (the same bytes as quantize_run in quant_int8.c) ------------------ */
+
+/* x[0:block] (block a multiple of 32) -> d and int8 q: amax ignores NaN like fmaxf (max_ps returns its
+ * second operand when either is NaN), rounding is to nearest even like lrintf, and the clamp to +-127
+ * also catches the "integer indefinite" that NaN converts to. */
+static inline void quantize_run_avx2(const float *x, int block, float *d, int8_t *q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 vmax = _mm256_setzero_ps();
+    for (int i = 0; i < block; i += 8) vmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), vmax);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float amax = _mm_cvtss_f32(m4);
+    if (amax == 0.0f) {
+        *d = 0.0f;
+        memset(q, 0, (size_t)block);
+        return;
+    }
+    float iscale = 127.0f / amax;
+    *d = amax / 127.0f;
+    const __m256 vs = _mm256_set1_ps(iscale);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < block; i += 32) {
+        __m256i v[4];
+        for (int k = 0; k < 4; k++) {
+            __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vs));
+            v[k] = _mm256_min_epi32(_mm256_max_epi32(r, lo), hi);
+        }
+        __m256i a = _mm256_packs_epi32(v[0], v[1]); /* per 128-bit lane: v0[0..3] v1[0..3] | v0[4..7] v1[4..7] */
+        __m256i b = _mm256_packs_epi32(v[2], v[3]);
+        __m256i c = _mm256_packs_epi16(a, b); /* lane 0: v0 0-3, v1 0-3, v2 0-3, v3 0-3; lane 1: the 4-7s */
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(c, perm));
+    }
+}
+
+void ms_prep_x_q8_0_avx2(const float *x, int64_t n, float *xp) {
+    ms_q8_0x *b = (ms_q8_0x *)xp;
+    for (int64_t i = 0; i < n / 32; i++) quantize_run_avx2(x + 32 * i, 32, &b[i].d, b[i].q);
+}
+
+void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp) {
+    ms_q8_kx *b = (ms_q8_kx *)xp;
+    const __m256i ones = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < n / 256; i++) {
+        quantize_run_avx2(x + 256 * i, 256, &b[i].d, b[i].q);
+        int32_t s[8];
+        for (int j = 0; j < 8; j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(b[i].q + 32 * j));
+            __m256i w = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), ones16); /* 8 partial sums */
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            s[j] = _mm_cvtsi128_si32(t);
+        }
+        for (int j = 0; j < 8; j++) b[i].bsums[j] = (int16_t)s[j];
     }
 }

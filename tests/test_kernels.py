@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moestream import _C
-from moestream.quant import FORMATS, Weight, blocks, dequantize_reference
+from moestream.quant import FORMATS, Weight, blocks, dequantize_reference, matmul_many
 from moestream.quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
 
 ISAS = ["scalar", "avx2", "avx512"]
@@ -98,13 +98,37 @@ def test_matmul_independent_of_threads_and_batch(isa, fmt):
         assert w.matmul(x[t : t + 1], threads=2).tobytes() == base[t : t + 1].tobytes()
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("shape", [(67, 301), (40, 256), (9, 16), (5, 15)])
-def test_isas_bit_identical(fmt, shape):
-    """Every path follows the same canonical reduction order, so they agree to the bit (with and
-    without a tail of columns beyond the last full 16)."""
-    w = make_weight(fmt, *shape_for(fmt, shape))
-    x = np.random.default_rng(3).standard_normal((2, w.cols)).astype(np.float32)
+def test_matmul_many_equals_each_product_alone(isa):
+    """A batch of products over every format, some sharing x (prepared once), some with their own, of
+    1 and several tokens, gives each product the bits it gets alone, at any thread count."""
+    rng = np.random.default_rng(4)
+    shared = {n: rng.standard_normal((n, 512)).astype(np.float32) for n in (1, 5)}
+    products = []
+    for i, fmt in enumerate(sorted(FORMATS)):
+        w = make_weight(fmt, 4 * i + 3, 512, seed=i)
+        n = (1, 5)[i % 2]
+        x = shared[n] if i % 3 else rng.standard_normal((n, 512)).astype(np.float32)
+        products.append((w, x))
+    alone = [w.matmul(x, threads=1).tobytes() for w, x in products]
+    for threads in (1, 2, 3, 7):
+        outs = [np.full((x.shape[0], w.rows), np.nan, np.float32) for w, x in products]
+        matmul_many([(w, x, out) for (w, x), out in zip(products, outs, strict=True)], threads)
+        assert [out.tobytes() for out in outs] == alone
+
+
+def test_matmul_many_refuses_bad_products():
+    w = make_weight("q8_0", 8, 64)
+    x = np.zeros((1, 64), np.float32)
+    with pytest.raises(ValueError, match="out has"):
+        matmul_many([(w, x, np.zeros((1, 8), np.float32)), (w, x, np.zeros((2, 8), np.float32))])
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        matmul_many([(w, x.astype(np.float64), np.zeros((1, 8), np.float32))])
+    with pytest.raises(TypeError, match="tuple"):
+        _C.matmul_many([[w.fmt.id, w.data, None, 8, 64, x, np.zeros((1, 8), np.float32)]], 1)
+    matmul_many([], 2)  # nothing to do
+
+
+def assert_same_on_every_isa(w: Weight, x: np.ndarray) -> None:
     before = _C.get_isa()
     results = {}
     try:
@@ -114,6 +138,31 @@ def test_isas_bit_identical(fmt, shape):
     finally:
         _C.set_isa(before)
     assert len(set(results.values())) == 1, results.keys()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("shape", [(67, 301), (40, 256), (9, 16), (5, 15)])
+def test_isas_bit_identical(fmt, shape):
+    """Every path follows the same canonical reduction order, so they agree to the bit (with and
+    without a tail of columns beyond the last full 16)."""
+    w = make_weight(fmt, *shape_for(fmt, shape))
+    x = np.random.default_rng(3).standard_normal((2, w.cols)).astype(np.float32)
+    assert_same_on_every_isa(w, x)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k", "int4"])
+def test_activation_quantization_same_on_every_isa(fmt):
+    """The int8 activations each ISA prepares are the same bytes, also for an all-zero block, exact
+    halves (round to even), and blocks holding inf or NaN."""
+    w = make_weight(fmt, 8, 1024)
+    x = np.random.default_rng(5).standard_normal((5, 1024)).astype(np.float32)
+    x[0, :256] = 0.0
+    x[1, :256] = np.arange(256, dtype=np.float32) % 64 - 31.5  # amax 31.5: x * 127 / 31.5 hits halves
+    x[1, 256:512] = np.where(np.arange(256) % 2, 127.0, -126.5).astype(np.float32)
+    x[2, 300] = np.inf
+    x[3, 600] = x[3, 511] = np.nan  # also as the last element of a block
+    x[4, 3] = -np.inf
+    assert_same_on_every_isa(w, x)
 
 
 def test_best_isa_is_default():

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..config import RopeSpec
-from ..quant import Weight
+from ..quant import Weight, matmul_many
 
 
 @dataclass
@@ -65,6 +65,17 @@ class Linear:
         if self.bias is not None:
             y += self.bias
         return y
+
+
+def linears(x: np.ndarray, layers: tuple[Linear, ...], ctx: Ctx) -> list[np.ndarray]:
+    """[layer(x) for layer in layers], the products in one pass of the kernels (x prepared once)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    outs = [np.empty((x.shape[0], layer.out_features), np.float32) for layer in layers]
+    matmul_many([(layer.weight, x, out) for layer, out in zip(layers, outs, strict=True)], ctx.threads)
+    for layer, out in zip(layers, outs, strict=True):
+        if layer.bias is not None:
+            out += layer.bias
+    return outs
 
 
 # ---- rotary embeddings ----------------------------------------------------------------------------
@@ -215,9 +226,10 @@ class GQAttention:
         T = x.shape[0]
         pos0 = cache.length
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        q = self.q(x, ctx).reshape(T, H, D)  # [T, H, D]
-        k = self.k(x, ctx).reshape(T, KV, D)  # [T, KV, D]
-        v = self.v(x, ctx).reshape(T, KV, D)  # [T, KV, D]
+        q, k, v = linears(x, (self.q, self.k, self.v), ctx)
+        q = q.reshape(T, H, D)  # [T, H, D]
+        k = k.reshape(T, KV, D)  # [T, KV, D]
+        v = v.reshape(T, KV, D)  # [T, KV, D]
         if self.q_norm is not None and self.k_norm is not None:
             q = rms_norm(q, self.q_norm, self.norm_eps)
             k = rms_norm(k, self.k_norm, self.norm_eps)
@@ -365,9 +377,35 @@ class DenseMLP:
         self.gate, self.up, self.down, self.act = gate, up, down, act
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
-        g = self.gate.matmul(x, ctx.threads)
-        u = self.up.matmul(x, ctx.threads)
-        return self.down.matmul(self.act(g, u), ctx.threads)
+        return glu_many([(self, x)], ctx)[0]
+
+
+def glu_many(batch: list[tuple[DenseMLP | Expert, np.ndarray]], ctx: Ctx) -> list[np.ndarray]:
+    """[mlp(x) for mlp, x in batch]: the gate and up products of all of them in one pass of the kernels,
+    the activation over all of them at once, then the down products in one pass. Elementwise steps and
+    per-row products give each output the same bits as running the MLPs one by one."""
+    if len({mlp.act for mlp, _ in batch}) > 1:
+        return [glu_many([item], ctx)[0] for item in batch]
+    act = batch[0][0].act
+    xs = [np.ascontiguousarray(x, dtype=np.float32) for _, x in batch]
+    sizes = [x.shape[0] * mlp.gate.rows for (mlp, _), x in zip(batch, xs, strict=True)]
+    ends = np.cumsum(sizes).tolist()
+    g_all = np.empty(ends[-1], np.float32)  # every MLP's [n, I] gate output, one after the other
+    u_all = np.empty(ends[-1], np.float32)
+    first: list[tuple[Weight, np.ndarray, np.ndarray]] = []
+    for (mlp, _), x, end, size in zip(batch, xs, ends, sizes, strict=True):
+        shape = (x.shape[0], mlp.gate.rows)
+        first.append((mlp.gate, x, g_all[end - size : end].reshape(shape)))
+        first.append((mlp.up, x, u_all[end - size : end].reshape(shape)))
+    matmul_many(first, ctx.threads)
+    h_all = act(g_all, u_all)
+    outs = [np.empty((x.shape[0], mlp.down.rows), np.float32) for (mlp, _), x in zip(batch, xs, strict=True)]
+    second = [
+        (mlp.down, h_all[end - size : end].reshape(x.shape[0], mlp.gate.rows), out)
+        for (mlp, _), x, end, size, out in zip(batch, xs, ends, sizes, outs, strict=True)
+    ]
+    matmul_many(second, ctx.threads)
+    return outs
 
 
 class Router(Protocol):
@@ -442,9 +480,7 @@ class Expert:
     act: Glu = silu_glu
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
-        g = self.gate.matmul(x, ctx.threads)
-        u = self.up.matmul(x, ctx.threads)
-        return self.down.matmul(self.act(g, u), ctx.threads)
+        return glu_many([(self, x)], ctx)[0]
 
 
 class MoE:
@@ -472,14 +508,24 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
     T, k = idx.shape
     contrib: np.ndarray | None = None  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
     ids = [int(e) for e in np.unique(idx)]
+    where: dict[int, tuple[np.ndarray, np.ndarray]]  # expert -> (tokens, their top-k slots)
+    if T == 1:  # decode: each chosen expert once, at its slot in the top-k order
+        slot_of = {int(e): j for j, e in enumerate(idx[0])}
+        where = {e: (np.zeros(1, np.intp), np.array([slot_of[e]], np.intp)) for e in ids}
+    else:
+        where = {}
+        for e in ids:
+            tok, slot = np.nonzero(idx == e)
+            where[e] = (tok, slot)
     groups = experts.fetch(ids) if hasattr(experts, "fetch") else [[(e, experts[e]) for e in ids]]
     for group in groups:
-        for e, expert in group:
-            tok, slot = np.nonzero(idx == e)
-            y = expert(x[tok], ctx)  # [n, out]
-            if contrib is None:
-                contrib = np.empty((T, k, y.shape[1]), np.float32)
-            contrib[tok, slot] = y * w[tok, slot][:, None]
+        # decode passes the one x to every expert, so its activations are prepared once
+        ys = glu_many([(expert, x if T == 1 else x[where[e][0]]) for e, expert in group], ctx)  # each [n, out]
+        if contrib is None:
+            contrib = np.empty((T, k, ys[0].shape[1]), np.float32)
+        tok = np.concatenate([where[e][0] for e, _ in group])
+        slot = np.concatenate([where[e][1] for e, _ in group])
+        contrib[tok, slot] = np.concatenate(ys) * w[tok, slot][:, None]
     assert contrib is not None
     out = contrib[:, 0].copy()
     for j in range(1, k):

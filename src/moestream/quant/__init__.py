@@ -2,6 +2,6 @@
 Weight object the models multiply with."""
 
 from .formats import FORMATS, Format, dequantize_reference
-from .weight import Weight
+from .weight import Weight, matmul_many
 
-__all__ = ["FORMATS", "Format", "Weight", "dequantize_reference"]
+__all__ = ["FORMATS", "Format", "Weight", "dequantize_reference", "matmul_many"]

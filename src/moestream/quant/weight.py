@@ -3,7 +3,7 @@ stored bytes (a memory map of the checkpoint, or a buffer)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -144,3 +144,16 @@ class Weight:
 
     def reference(self) -> np.ndarray:
         return dequantize_reference(self.fmt, self.data, self.scales, self.rows, self.cols)
+
+
+def matmul_many(products: Sequence[tuple[Weight, np.ndarray, np.ndarray]], threads: int = 1) -> None:
+    """out = x @ W.T for each (W, x [T, cols] f32, out [T, rows] f32 C-contiguous) in one parallel pass of the
+    kernels: one hand-off to the threads instead of one per product, and the activations prepared once for
+    the products that share x. Each out holds the same bits as W.matmul(x)."""
+    args = []
+    for w, x, out in products:
+        w._ready()
+        if x.dtype != np.float32 or out.dtype != np.float32 or not (x.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError("matmul_many takes C-contiguous float32 x and out")
+        args.append((w.fmt.id, w.data, w.scales, w.rows, w.cols, x, out))
+    _C.matmul_many(args, threads)
