@@ -127,10 +127,24 @@ void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     }
 }
 
+/* The 6-bit values (0..63) of q6_k chunks 4h..4h+3 (128 weights) of the block at w. */
+static inline void q6k_values(const uint8_t *w, int h, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+    __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+}
+
 void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     int64_t nb = m->cols / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    const __m256i k32 = _mm256_set1_epi8(32);
     /* the 16 int8 scales reordered even ones first, so that after widening the low lane holds the even
      * scales and the high lane the odd ones: scale pair (g, g + 1) is int16 g / 2 of both lanes */
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -146,17 +160,8 @@ void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
             const int8_t *qx = x[b].q;
             __m256i acc = _mm256_setzero_si256();
             for (int h = 0; h < 2; h++) {
-                __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
-                __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
-                __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
                 __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-                q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
-                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
-                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+                q6k_values(w, h, q);
                 for (int k = 0; k < 4; k++) {
                     __m256i v = _mm256_sub_epi8(q[k], k32);
                     __m256i xx = _mm256_loadu_si256((const __m256i *)(qx + 128 * h + 32 * k));
@@ -254,21 +259,84 @@ typedef struct {
 static _Thread_local q4k_unpacked *q4k_buf;
 static _Thread_local int64_t q4k_cap;
 
+/* A per-thread buffer of at least need items of size bytes, 64-aligned: 1, or 0 when out of memory. */
+static int grow(void **buf, int64_t *cap, int64_t need, size_t size) {
+    if (*cap >= need) return 1;
+    free(*buf);
+    *buf = aligned_alloc(64, (size_t)need * size);
+    *cap = *buf ? need : 0;
+    return *buf != NULL;
+}
+
+/* A gemm without memory for its buffers: the decode kernel token by token (the same numbers). */
+static void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t row0, int nrows, const char *xp,
+                           int64_t stride, int64_t T, float *out, int64_t out_stride) {
+    for (int64_t t = 0; t < T; t++) {
+        float tmp[4];
+        dot4(m, row0, nrows, (const float *)(xp + t * stride), tmp);
+        for (int r = 0; r < nrows; r++) out[t * out_stride + r] = tmp[r];
+    }
+}
+
+/* Calls FN(buf, nb, nrows, xp, stride, nt, out, out_stride) for the tokens of a gemm 4 at a time, then the
+ * last 1..3 together (nt a constant in each call, so the inlined loops unroll). */
+#define TOKEN_GROUPS(FN, BUF)                                                                           \
+    do {                                                                                                \
+        int64_t t_ = 0;                                                                                 \
+        for (; t_ + 4 <= T; t_ += 4) FN(BUF, nb, nrows, xp + t_ * stride, stride, 4, out + t_ * out_stride, out_stride); \
+        switch (T - t_) {                                                                               \
+            case 3: FN(BUF, nb, nrows, xp + t_ * stride, stride, 3, out + t_ * out_stride, out_stride); break; \
+            case 2: FN(BUF, nb, nrows, xp + t_ * stride, stride, 2, out + t_ * out_stride, out_stride); break; \
+            case 1: FN(BUF, nb, nrows, xp + t_ * stride, stride, 1, out + t_ * out_stride, out_stride); break; \
+            default: break;                                                                             \
+        }                                                                                               \
+    } while (0)
+
+/* nt (1..4) tokens against the unpacked rows of a tile: each unpacked vector is loaded once for all nt
+ * tokens; every token's arithmetic is exactly ms_dot4_q4_k_avx2's. */
+static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked *buf, int64_t nb, int nrows,
+                                                             const char *xp, int64_t stride, int nt, float *out,
+                                                             int64_t out_stride) {
+    for (int r = 0; r < nrows; r++) {
+        const q4k_unpacked *u = &buf[r * nb];
+        __m256 f[4];
+        float fmin[4];
+        for (int i = 0; i < nt; i++) {
+            f[i] = _mm256_setzero_ps();
+            fmin[i] = 0.0f;
+        }
+        for (int64_t b = 0; b < nb; b++, u++) {
+            __m256i acc[4];
+            for (int i = 0; i < nt; i++) acc[i] = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k++) {
+                const __m256i q = u->q[k], sc = u->sc[k];
+                for (int i = 0; i < nt; i++) {
+                    const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
+                    __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x->q + 32 * k)));
+                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, sc));
+                }
+            }
+            for (int i = 0; i < nt; i++) {
+                const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
+                __m128i ms = _mm_madd_epi16(u->mn, _mm_loadu_si128((const __m128i *)x->bsums));
+                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
+                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
+                int32_t sm = _mm_cvtsi128_si32(ms);
+                float dd = u->d * x->d, dm = u->dmin * x->d;
+                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(dd), f[i]);
+                fmin[i] += dm * (float)sm;
+            }
+        }
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - fmin[i];
+    }
+}
+
 void ms_gemm_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                        float *out, int64_t out_stride) {
     int64_t nb = m->cols / 256;
-    if (q4k_cap < nrows * nb) {
-        free(q4k_buf);
-        q4k_buf = aligned_alloc(64, (size_t)(nrows * nb) * sizeof(q4k_unpacked));
-        q4k_cap = q4k_buf ? nrows * nb : 0;
-        if (q4k_buf == NULL) { /* no memory for the buffer: token by token (the same numbers) */
-            for (int64_t t = 0; t < T; t++) {
-                float tmp[4];
-                ms_dot4_q4_k_avx2(m, row0, nrows, (const float *)(xp + t * stride), tmp);
-                for (int r = 0; r < nrows; r++) out[t * out_stride + r] = tmp[r];
-            }
-            return;
-        }
+    if (!grow((void **)&q4k_buf, &q4k_cap, nrows * nb, sizeof(q4k_unpacked))) {
+        dot4_per_token(ms_dot4_q4_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
+        return;
     }
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < nrows; r++) {
@@ -288,33 +356,7 @@ void ms_gemm_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *
             u->dmin = h2f(w + 2);
         }
     }
-    for (int64_t t = 0; t < T; t++) {
-        const ms_q8_kx *x = (const ms_q8_kx *)(xp + t * stride);
-        for (int r = 0; r < nrows; r++) {
-            const q4k_unpacked *u = &q4k_buf[r * nb];
-            __m256 f = _mm256_setzero_ps();
-            float fmin = 0.0f;
-            for (int64_t b = 0; b < nb; b++, u++) {
-                const int8_t *qx = x[b].q;
-                __m256i acc = _mm256_setzero_si256();
-                for (int k = 0; k < 4; k++) {
-                    __m256i p_lo = _mm256_maddubs_epi16(u->q[2 * k], _mm256_loadu_si256((const __m256i *)(qx + 64 * k)));
-                    __m256i p_hi =
-                        _mm256_maddubs_epi16(u->q[2 * k + 1], _mm256_loadu_si256((const __m256i *)(qx + 64 * k + 32)));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, u->sc[2 * k]));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, u->sc[2 * k + 1]));
-                }
-                __m128i ms = _mm_madd_epi16(u->mn, _mm_loadu_si128((const __m128i *)x[b].bsums));
-                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
-                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
-                int32_t sm = _mm_cvtsi128_si32(ms);
-                float dd = u->d * x[b].d, dm = u->dmin * x[b].d;
-                f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dd), f);
-                fmin += dm * (float)sm;
-            }
-            out[t * out_stride + r] = reduce8(f) - fmin;
-        }
-    }
+    TOKEN_GROUPS(q4k_tokens, q4k_buf);
 }
 
 /* ---- activation quantization (the same bytes as quantize_run in quant_int8.c) ------------------ */
@@ -374,4 +416,82 @@ void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp) {
         }
         for (int j = 0; j < 8; j++) b[i].bsums[j] = (int16_t)s[j];
     }
+}
+
+/* q6_k against several tokens: each weight block of the tile unpacked once (6-bit values as unsigned
+ * bytes, scale pairs widened), then per token (v - 32) x as q x - 32 x: maddubs(q, x) - maddubs(32, x)
+ * is the same int16 pair sum as the decode kernel's (no int16 overflow on either side), and the 32 x
+ * half is made once per token for all the rows of the tile. */
+typedef struct {
+    __m256i q[8];  /* chunk c = 4h + k: 32 values 0..63 */
+    __m256i sc[8]; /* chunk c's scales: sc[2c] in the low lane's int16s, sc[2c + 1] in the high lane's */
+    float d;
+    float pad[7];
+} q6k_unpacked;
+
+static _Thread_local q6k_unpacked *q6k_buf;
+static _Thread_local int64_t q6k_cap;
+static _Thread_local __m256i *q6k_x32; /* maddubs(32, x) of up to 4 tokens for each chunk of the row */
+static _Thread_local int64_t q6k_x32_cap;
+
+/* nt (1..4) tokens against the unpacked rows of a tile, each unpacked vector loaded once for all of them;
+ * maddubs(32, x) per token and chunk is made once for all the rows. */
+static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked *buf, int64_t nb, int nrows,
+                                                             const char *xp, int64_t stride, int nt, float *out,
+                                                             int64_t out_stride) {
+    const __m256i k32 = _mm256_set1_epi8(32);
+    for (int i = 0; i < nt; i++) {
+        const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride);
+        for (int64_t b = 0; b < nb; b++)
+            for (int c = 0; c < 8; c++)
+                q6k_x32[(8 * b + c) * 4 + i] =
+                    _mm256_maddubs_epi16(k32, _mm256_loadu_si256((const __m256i *)(x[b].q + 32 * c)));
+    }
+    for (int r = 0; r < nrows; r++) {
+        const q6k_unpacked *u = &buf[r * nb];
+        __m256 f[4];
+        for (int i = 0; i < nt; i++) f[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++, u++) {
+            __m256i acc[4];
+            for (int i = 0; i < nt; i++) acc[i] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i q = u->q[c], sc = u->sc[c];
+                const __m256i *x32 = &q6k_x32[(8 * b + c) * 4];
+                for (int i = 0; i < nt; i++) {
+                    const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
+                    __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x->q + 32 * c)));
+                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_sub_epi16(p, x32[i]), sc));
+                }
+            }
+            for (int i = 0; i < nt; i++) {
+                const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
+                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(u->d * x->d), f[i]);
+            }
+        }
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]);
+    }
+}
+
+void ms_gemm_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
+                       float *out, int64_t out_stride) {
+    int64_t nb = m->cols / 256;
+    if (!grow((void **)&q6k_buf, &q6k_cap, nrows * nb, sizeof(q6k_unpacked)) ||
+        !grow((void **)&q6k_x32, &q6k_x32_cap, 32 * nb, sizeof(__m256i))) {
+        dot4_per_token(ms_dot4_q6_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
+        return;
+    }
+    const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        for (int64_t b = 0; b < nb; b++, w += 210) {
+            q6k_unpacked *u = &q6k_buf[r * nb + b];
+            __m256i scales =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), even_odd));
+            q6k_values(w, 0, u->q);
+            q6k_values(w, 1, u->q + 4);
+            for (int c = 0; c < 8; c++) u->sc[c] = _mm256_shuffle_epi8(scales, lane_word_mask(c));
+            u->d = h2f(w + 208);
+        }
+    }
+    TOKEN_GROUPS(q6k_tokens, q6k_buf);
 }
