@@ -31,7 +31,10 @@ class Ctx:
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x [..., n] * rsqrt(mean(x^2) + eps) * w, in float32 as transformers computes it."""
-    var = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    # the mean as np.mean computes it (a float32 sum divided by n), without its Python-level wrapper
+    var = np.add.reduce(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32) / np.float32(
+        x.shape[-1]
+    )
     return (w * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))).astype(np.float32, copy=False)
 
 
@@ -95,6 +98,7 @@ class Rope:
         elif spec.kind == "yarn":
             inv_freq, self.attention_factor = self._yarn(spec, pos_freqs)
         self.inv_freq = inv_freq
+        self._last: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None
 
     @staticmethod
     def _yarn(spec: RopeSpec, pos_freqs: np.ndarray) -> tuple[np.ndarray, float]:
@@ -129,10 +133,15 @@ class Rope:
         return inv_freq.astype(np.float32), float(attention_factor)
 
     def cos_sin(self, pos0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin [n, dim/2] for positions pos0 .. pos0+n-1."""
+        """cos, sin [n, dim/2] for positions pos0 .. pos0+n-1 (kept for the next caller: every layer of a
+        forward pass asks for the same positions)."""
+        if self._last is not None and self._last[0] == (pos0, n):
+            return self._last[1]
         freqs = np.arange(pos0, pos0 + n, dtype=np.float32)[:, None] * self.inv_freq[None, :]
         af = np.float32(self.attention_factor)
-        return (np.cos(freqs) * af).astype(np.float32), (np.sin(freqs) * af).astype(np.float32)
+        cs = (np.cos(freqs) * af).astype(np.float32), (np.sin(freqs) * af).astype(np.float32)
+        self._last = ((pos0, n), cs)
+        return cs
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x [T, heads, dim] -> rotated, in the layout transformers produces."""
@@ -241,7 +250,9 @@ class GQAttention:
         rep = H // KV
         qg = q.transpose(1, 0, 2).reshape(KV, rep * T, D)  # [KV, rep*T, D]
         scores = np.matmul(qg, keys.transpose(0, 2, 1)) * self.scaling  # [KV, rep*T, S]
-        scores = scores.reshape(KV, rep, T, S) + causal_mask(pos0, T, S, self.sliding_window)
+        scores = scores.reshape(KV, rep, T, S)
+        if T > 1 or (self.sliding_window is not None and S > self.sliding_window):  # else nothing is masked
+            scores = scores + causal_mask(pos0, T, S, self.sliding_window)
         p = softmax(scores).reshape(KV, rep * T, S)
         o = np.matmul(p, values).reshape(H, T, D).transpose(1, 0, 2).reshape(T, H * D)  # [T, H*D]
         return self.o(o, ctx)
@@ -506,21 +517,28 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
     set (runtime/expert_cache.py) that serves them in groups through fetch(); either way every expert
     computes from the same bytes, so the result is the same."""
     T, k = idx.shape
-    contrib: np.ndarray | None = None  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
     ids = [int(e) for e in np.unique(idx)]
-    where: dict[int, tuple[np.ndarray, np.ndarray]]  # expert -> (tokens, their top-k slots)
-    if T == 1:  # decode: each chosen expert once, at its slot in the top-k order
-        slot_of = {int(e): j for j, e in enumerate(idx[0])}
-        where = {e: (np.zeros(1, np.intp), np.array([slot_of[e]], np.intp)) for e in ids}
-    else:
-        where = {}
-        for e in ids:
-            tok, slot = np.nonzero(idx == e)
-            where[e] = (tok, slot)
     groups = experts.fetch(ids) if hasattr(experts, "fetch") else [[(e, experts[e]) for e in ids]]
+    if T == 1:  # decode: each chosen expert once, at its slot in the top-k order, all on the one x
+        slot_of = {int(e): j for j, e in enumerate(idx[0])}
+        by_slot: list[np.ndarray | None] = [None] * k  # by_slot[j] = w[0, j] * expert_{idx[0, j]}(x), [1, out]
+        for group in groups:
+            ys = glu_many([(expert, x) for _, expert in group], ctx)  # x prepared once for all of them
+            for (e, _), y in zip(group, ys, strict=True):
+                by_slot[slot_of[e]] = y * w[0, slot_of[e]]
+        done = [y for y in by_slot if y is not None]
+        assert len(done) == k, "the expert set did not serve every chosen expert"
+        out = done[0].copy()
+        for y in done[1:]:
+            out += y
+        return out
+    contrib: np.ndarray | None = None  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
+    where: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # expert -> (tokens, their top-k slots)
+    for e in ids:
+        tok, slot = np.nonzero(idx == e)
+        where[e] = (tok, slot)
     for group in groups:
-        # decode passes the one x to every expert, so its activations are prepared once
-        ys = glu_many([(expert, x if T == 1 else x[where[e][0]]) for e, expert in group], ctx)  # each [n, out]
+        ys = glu_many([(expert, x[where[e][0]]) for e, expert in group], ctx)  # each [n, out]
         if contrib is None:
             contrib = np.empty((T, k, ys[0].shape[1]), np.float32)
         tok = np.concatenate([where[e][0] for e, _ in group])
