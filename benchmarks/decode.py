@@ -117,13 +117,29 @@ def llama_cpp_gguf(src: Path, model: Path) -> Path:
 
 
 class LlamaCpp:
-    def __init__(self, gguf: Path, threads: int):
-        import llama_cpp
+    """repack=True: llama.cpp's default, weights copied into its repacked CPU layout at load; False: the weights
+    stay in the mmap and run through the plain block kernels (faster on this kind of machine; Llama() does
+    not expose the flag, so the model params are set where it reads them)."""
 
+    def __init__(self, gguf: Path, threads: int, repack: bool = True):
+        import llama_cpp
+        import llama_cpp.llama_cpp as C
+
+        default_params = C.llama_model_default_params
+
+        def params() -> object:
+            p = default_params()
+            p.use_extra_bufts = repack
+            return p
+
+        C.llama_model_default_params = params
         t0 = time.perf_counter()
-        self.llm = llama_cpp.Llama(
-            str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512, verbose=False
-        )
+        try:
+            self.llm = llama_cpp.Llama(
+                str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512, verbose=False
+            )
+        finally:
+            C.llama_model_default_params = default_params
         self.load_seconds = time.perf_counter() - t0
 
     def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int]]:
@@ -203,7 +219,9 @@ def main() -> None:
         if not (packed / "manifest.json").exists():
             pack(path, packed, experts="q4_k_m", trunk="q4_k_m", progress=False)
         engines["moestream (q4_k_m pack)"] = Ours(packed, args.threads)
-        engines["llama.cpp (Q4_K_M)"] = LlamaCpp(llama_cpp_gguf(args.llama_cpp, path), args.threads)
+        gguf = llama_cpp_gguf(args.llama_cpp, path)
+        engines["llama.cpp (Q4_K_M)"] = LlamaCpp(gguf, args.threads)
+        engines["llama.cpp (Q4_K_M, not repacked)"] = LlamaCpp(gguf, args.threads, repack=False)
     best: dict[str, list[float]] = {name: [0.0, 0.0] for name in engines}
     ids: dict[str, list[int]] = {}
     for engine in engines.values():
@@ -216,6 +234,7 @@ def main() -> None:
     for ours_name, peer in (
         ("moestream (bf16)", "transformers (bf16)"),
         ("moestream (q4_k_m pack)", "llama.cpp (Q4_K_M)"),
+        ("moestream (q4_k_m pack)", "llama.cpp (Q4_K_M, not repacked)"),
     ):
         if ours_name in best and peer in best:
             pa, pb = best[ours_name], best[peer]
