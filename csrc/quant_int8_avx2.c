@@ -278,6 +278,10 @@ static void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t row0, in
     }
 }
 
+/* The integer sums are exact in any order, and GCC regroups them into a tree whose partial products spill
+ * to the stack; an empty asm on the running sum keeps each addition where it is written. */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+
 /* Calls FN(buf, nb, nrows, xp, stride, nt, out, out_stride) for the tokens of a gemm 4 at a time, then the
  * last 1..3 together (nt a constant in each call, so the inlined loops unroll). */
 #define TOKEN_GROUPS(FN, BUF)                                                                           \
@@ -314,6 +318,7 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
                     const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
                     __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x->q + 32 * k)));
                     acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, sc));
+                    KEEP_IN_REGISTER(acc[i]);
                 }
             }
             for (int i = 0; i < nt; i++) {
@@ -461,6 +466,7 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
                     const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
                     __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x->q + 32 * c)));
                     acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_sub_epi16(p, x32[i]), sc));
+                    KEEP_IN_REGISTER(acc[i]);
                 }
             }
             for (int i = 0; i < nt; i++) {
