@@ -40,3 +40,19 @@ def test_long_prompts_need_no_more_scratch(tmp_path):
     short = plan_budget(m, lay, 1 << 30, context=4096, prompt_tokens=PREFILL_CHUNK)
     long = plan_budget(m, lay, 1 << 30, context=4096, prompt_tokens=4000)
     assert long.scratch_bytes == short.scratch_bytes
+
+
+def test_loaded_model_keeps_numpy_blas_on_one_thread():
+    """numpy's BLAS threads spin after each small attention product and would take the cores from the
+    kernels' own threads: loading a model limits BLAS to the calling thread."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threadpoolctl, moestream\n"
+        "moestream.load()\n"
+        "blas = [i for i in threadpoolctl.threadpool_info() if i['user_api'] == 'blas']\n"
+        "print(sorted({i['num_threads'] for i in blas}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[1]"

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import models
+from .blas_threads import single_threaded_blas
 from .config import ModelSpec
 from .console import prefill_progress
 from .errors import InputError
@@ -76,6 +77,7 @@ class Model:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.ctx = Ctx(threads=threads)
+        single_threaded_blas()  # the kernels' threads own the cores (blas_threads.py)
         self.store: Any = None  # the Checkpoint or PackedStore the weights are mapped from
 
     @property
