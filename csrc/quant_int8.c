@@ -118,8 +118,22 @@ void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
 
 /* ---- compressed-tensors int4 (value = nibble - 8, one f32 scale per 32) -------------------------- */
 
+/* Activations in the weights' nibble order (low nibbles = even columns first), so that lane L takes
+ * positions 4L..4L+3 of that order: the SIMD kernel multiplies the nibbles (0..15) as they lie and
+ * takes 8 * sum(x) of the lane off, the same exact integer as sum((nibble - 8) * x). */
+void ms_prep_x_int4(const float *x, int64_t n, float *xp) {
+    ms_int4x *b = (ms_int4x *)xp;
+    for (int64_t i = 0; i < n / 32; i++) {
+        int8_t q[32];
+        quantize_run(x + 32 * i, 32, &b[i].d, q);
+        for (int p = 0; p < 32; p++) b[i].q[p] = q[p < 16 ? 2 * p : 2 * (p - 16) + 1];
+        for (int L = 0; L < 8; L++)
+            b[i].s8[L] = 8 * (b[i].q[4 * L] + b[i].q[4 * L + 1] + b[i].q[4 * L + 2] + b[i].q[4 * L + 3]);
+    }
+}
+
 void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_0x *x = (const ms_q8_0x *)xp;
+    const ms_int4x *x = (const ms_int4x *)xp;
     int64_t nb = m->cols / 32;
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
@@ -129,7 +143,8 @@ void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
             float dd = s[b] * x[b].d;
             for (int L = 0; L < 8; L++) {
                 int32_t acc = 0;
-                for (int i = 4 * L; i < 4 * L + 4; i++) acc += (((w[i / 2] >> ((i & 1) * 4)) & 0x0F) - 8) * x[b].q[i];
+                for (int p = 4 * L; p < 4 * L + 4; p++) /* position p: byte p % 16, low nibble if p < 16 */
+                    acc += (((w[p % 16] >> (p < 16 ? 0 : 4)) & 0x0F) - 8) * x[b].q[p];
                 f[L] = fmaf((float)acc, dd, f[L]);
             }
         }

@@ -22,6 +22,13 @@ typedef struct {
     int16_t b[32]; /* (the nibble order of the weights) */
 } ms_mxfp4x;       /* 136 bytes per 32 activations; |x - (a da + b db)| <= 2^-29 of the block's max */
 
+typedef struct {
+    float d;
+    int8_t q[32];   /* int8 activations in the nibble order of the weights: [0..15] the block's even
+                     * columns, [16..31] the odd ones */
+    int32_t s8[8];  /* 8 * (q[4L] + ... + q[4L+3]): lane L's share of the -8 in (nibble - 8) */
+} ms_int4x;         /* 68 bytes per 32 activations */
+
 void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]);
 float ms_lanes8_reduce(const float f[8]); /* (f0+f4 + f2+f6) + (f1+f5 + f3+f7) */
 #endif

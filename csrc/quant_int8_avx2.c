@@ -106,22 +106,22 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
 }
 
 void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_0x *x = (const ms_q8_0x *)xp;
+    const ms_int4x *x = (const ms_int4x *)xp;
     int64_t nb = m->cols / 32;
-    const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), shift = _mm256_setr_epi64x(0, 0, 4, 4);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const float *s = ms_int4_scale_row(m, row0 + r);
         __m256 f = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, w += 16) {
             if ((b & 3) == 0) prefetch_ahead(w, 4 * m->row_bytes, 64);
-            __m128i bytes = _mm_loadu_si128((const __m128i *)w);
-            __m128i lo = _mm_sub_epi8(_mm_and_si128(bytes, low4), eight);
-            __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), eight);
-            __m256i qw = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)); /* elements 0..31 */
-            __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
-            __m256 sum = _mm256_cvtepi32_ps(dot_i8_32(qw, qx));
-            f = _mm256_fmadd_ps(sum, _mm256_set1_ps(s[b] * x[b].d), f);
+            /* the 16 bytes in both lanes, the high lane shifted: low nibbles (even columns), then high */
+            __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
+            __m256i nib = _mm256_and_si256(_mm256_srlv_epi64(bytes, shift), low4);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, _mm256_loadu_si256((const __m256i *)x[b].q)),
+                                          _mm256_set1_epi16(1));
+            p = _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)x[b].s8));
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[b] * x[b].d), f);
         }
         out[r] = reduce8(f);
     }
@@ -506,4 +506,20 @@ void ms_gemm_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *
         }
     }
     TOKEN_GROUPS(q6k_tokens, q6k_buf);
+}
+
+void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp) {
+    ms_int4x *b = (ms_int4x *)xp;
+    /* per 128-bit lane: its even bytes, then its odd ones; then the lanes' evens together, odds together */
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                                           12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i ones = _mm256_set1_epi8(1), eights = _mm256_set1_epi16(8);
+    for (int64_t i = 0; i < n / 32; i++) {
+        int8_t q[32];
+        quantize_run_avx2(x + 32 * i, 32, &b[i].d, q);
+        __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q), split);
+        v = _mm256_permute4x64_epi64(v, 0xD8); /* 64-bit pieces 0, 2, 1, 3 */
+        _mm256_storeu_si256((__m256i *)b[i].q, v);
+        _mm256_storeu_si256((__m256i *)b[i].s8, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), eights));
+    }
 }
