@@ -264,3 +264,26 @@ def test_int4_layout():
     d = w.dequantize()
     assert d[0, :8].tolist() == [-4.0, -3.5, -3.0, -2.5, -2.0, -1.5, -1.0, -0.5]
     assert d[0, 8:].tolist() == [0.0] * 24
+
+
+def test_glu_many_equals_each_mlp_alone():
+    """Experts run together (gate/up in one pass, the activation over all at once, down in one pass)
+    give each expert the bits of its own three products, for 1 and several tokens and mixed formats."""
+    from moestream.models.base import Ctx, Expert, glu_many, silu_glu
+
+    rng = np.random.default_rng(6)
+    experts = [
+        Expert(
+            make_weight(f, 256, 256, seed=i),
+            make_weight(f, 256, 256, seed=i + 9),
+            make_weight(f, 128, 256, seed=i + 99),
+        )
+        for i, f in enumerate(["q4_k", "q6_k", "q8_0", "bf16", "q4_k"])
+    ]
+    for n in (1, 3):
+        xs = [(0.02 * rng.standard_normal((n, 256))).astype(np.float32) for _ in experts]
+        got = glu_many(list(zip(experts, xs, strict=True)), Ctx(threads=2))
+        for e, x, y in zip(experts, xs, got, strict=True):
+            want = e.down.matmul(silu_glu(e.gate.matmul(x), e.up.matmul(x)))
+            assert y.tobytes() == want.tobytes()
+    assert glu_many([], Ctx()) == []

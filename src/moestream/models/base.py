@@ -395,6 +395,8 @@ def glu_many(batch: list[tuple[DenseMLP | Expert, np.ndarray]], ctx: Ctx) -> lis
     """[mlp(x) for mlp, x in batch]: the gate and up products of all of them in one pass of the kernels,
     the activation over all of them at once, then the down products in one pass. Elementwise steps and
     per-row products give each output the same bits as running the MLPs one by one."""
+    if not batch:
+        return []
     if len({mlp.act for mlp, _ in batch}) > 1:
         return [glu_many([item], ctx)[0] for item in batch]
     act = batch[0][0].act
@@ -538,6 +540,8 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
         tok, slot = np.nonzero(idx == e)
         where[e] = (tok, slot)
     for group in groups:
+        if not group:
+            continue
         ys = glu_many([(expert, x[where[e][0]]) for e, expert in group], ctx)  # each [n, out]
         if contrib is None:
             contrib = np.empty((T, k, ys[0].shape[1]), np.float32)
