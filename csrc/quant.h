@@ -131,6 +131,8 @@ void ms_dequant_blocks(const ms_matrix *m, int64_t row, float *out);
 /* Integer dot kernels (quant_int8*.c): the activations are prepared (quantized) by prep_x. */
 void ms_prep_x_q8_0(const float *x, int64_t n, float *xp);
 void ms_prep_x_q8_k(const float *x, int64_t n, float *xp);
+void ms_prep_x_q6_k(const float *x, int64_t n, float *xp); /* q8_k + 32 * pair sums (quant_int8.h) */
+void ms_prep_x_q6_k_avx2(const float *x, int64_t n, float *xp);
 void ms_prep_x_q8_0_avx2(const float *x, int64_t n, float *xp); /* the same bytes, faster */
 void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp);
 void ms_dot4_q8_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);

@@ -185,7 +185,7 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_Q6_K] = {"q6_k", 256, 210,
                  {ms_dot4_q6_k_scalar, ms_dot4_q6_k_avx2, ms_dot4_q6_k_avx2},
                  {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},
-                 {ms_prep_x_q8_k, ms_prep_x_q8_k_avx2, ms_prep_x_q8_k_avx2}, 0,
+                 {ms_prep_x_q6_k, ms_prep_x_q6_k_avx2, ms_prep_x_q6_k_avx2}, (int)sizeof(ms_q6_kx),
                  {NULL, ms_gemm_q6_k_avx2, ms_gemm_q6_k_avx2}},
     [MS_Q3_K] = BLOCK_ROW(q3_k, 256, 110),
     [MS_Q2_K] = BLOCK_ROW(q2_k, 256, 84),

@@ -49,6 +49,14 @@ void ms_prep_x_q8_k(const float *x, int64_t n, float *xp) {
     }
 }
 
+void ms_prep_x_q6_k(const float *x, int64_t n, float *xp) {
+    ms_q6_kx *b = (ms_q6_kx *)xp;
+    for (int64_t i = 0; i < n / 256; i++) {
+        ms_prep_x_q8_k(x + 256 * i, 256, (float *)&b[i].k);
+        for (int j = 0; j < 128; j++) b[i].x32[j] = (int16_t)(32 * (b[i].k.q[2 * j] + b[i].k.q[2 * j + 1]));
+    }
+}
+
 /* ---- q8_0 ------------------------------------------------------------------------------------ */
 
 float ms_lanes8_reduce(const float f[8]) {
@@ -221,7 +229,7 @@ static inline int q6_value(const uint8_t *b, int e) {
 }
 
 void ms_dot4_q6_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    const ms_q6_kx *x = (const ms_q6_kx *)xp;
     int64_t nb = m->cols / 256;
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
@@ -229,8 +237,8 @@ void ms_dot4_q6_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
         for (int64_t b = 0; b < nb; b++, w += 210) {
             const int8_t *sc = (const int8_t *)(w + 192);
             int32_t lanes[8] = {0};
-            for (int e = 0; e < 256; e++) lanes[(e % 32) / 4] += sc[e / 16] * q6_value(w, e) * x[b].q[e];
-            float dd = h2f(w + 208) * x[b].d;
+            for (int e = 0; e < 256; e++) lanes[(e % 32) / 4] += sc[e / 16] * q6_value(w, e) * x[b].k.q[e];
+            float dd = h2f(w + 208) * x[b].k.d;
             for (int L = 0; L < 8; L++) f[L] = fmaf((float)lanes[L], dd, f[L]);
         }
         out[r] = ms_lanes8_reduce(f);

@@ -17,6 +17,12 @@ typedef struct {
 } ms_q8_kx;           /* 276 bytes per 256 activations (<= 4 bytes each, so it fits the prep buffer) */
 
 typedef struct {
+    ms_q8_kx k;
+    int16_t x32[128]; /* 32 * (q[2i] + q[2i+1]): the part of the q6_k sums that the -32 takes off, in the int16
+                       * pair layout of maddubs, made once per token for every row */
+} ms_q6_kx;          /* 532 bytes per 256 activations */
+
+typedef struct {
     float da, db;  /* powers of two, db = da / 2^15 */
     int16_t a[32]; /* x ~ a * da + b * db; [0..15]: the block's even columns, [16..31]: the odd ones */
     int16_t b[32]; /* (the nibble order of the weights) */

@@ -64,6 +64,15 @@ static inline void unpack_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t m
 /* int16 index m of each 128-bit lane in all eight of its int16 slots (pshufb masks, m = 0..7) */
 static inline __m256i lane_word_mask(int m) { return _mm256_set1_epi16((short)((2 * m) | ((2 * m + 1) << 8))); }
 
+/* int16 m of each 128-bit lane of v in all eight int16 slots of that lane (m a constant: the mask is a
+ * memory operand, not a register) */
+static inline __m256i pick_word(__m256i v, int m) { return _mm256_shuffle_epi8(v, lane_word_mask(m)); }
+
+/* The integer sums are exact in any order, and GCC regroups them into a tree whose partial products spill
+ * to the stack; an empty asm on the running sum keeps each addition where it is written. */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+
+
 void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     int64_t nb = m->cols / 256;
@@ -142,14 +151,11 @@ static inline void q6k_values(const uint8_t *w, int h, __m256i q[4]) {
 }
 
 void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    const ms_q6_kx *x = (const ms_q6_kx *)xp;
     int64_t nb = m->cols / 256;
-    const __m256i k32 = _mm256_set1_epi8(32);
     /* the 16 int8 scales reordered even ones first, so that after widening the low lane holds the even
      * scales and the high lane the odd ones: scale pair (g, g + 1) is int16 g / 2 of both lanes */
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    __m256i pick[8];
-    for (int i = 0; i < 8; i++) pick[i] = lane_word_mask(i);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 f = _mm256_setzero_ps();
@@ -157,20 +163,21 @@ void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
             prefetch_ahead(w, 4 * m->row_bytes, 210);
             __m256i scales =
                 _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), even_odd));
-            const int8_t *qx = x[b].q;
+            const int8_t *qx = x[b].k.q;
+            const int16_t *x32 = x[b].x32;
             __m256i acc = _mm256_setzero_si256();
             for (int h = 0; h < 2; h++) {
                 __m256i q[4];
                 q6k_values(w, h, q);
-                for (int k = 0; k < 4; k++) {
-                    __m256i v = _mm256_sub_epi8(q[k], k32);
-                    __m256i xx = _mm256_loadu_si256((const __m256i *)(qx + 128 * h + 32 * k));
-                    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xx, v));
-                    __m256i s16 = _mm256_shuffle_epi8(scales, pick[4 * h + k]); /* sc[g] low, sc[g + 1] high */
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s16));
+                for (int k = 0; k < 4; k++) { /* (q - 32) x = q x - 32 x, both exact int16 pair sums */
+                    int c = 4 * h + k;
+                    __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(qx + 32 * c)));
+                    p = _mm256_sub_epi16(p, _mm256_loadu_si256((const __m256i *)(x32 + 16 * c)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pick_word(scales, c))); /* sc[2c], sc[2c + 1] */
+                    KEEP_IN_REGISTER(acc);
                 }
             }
-            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(h2f(w + 208) * x[b].d), f);
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(h2f(w + 208) * x[b].k.d), f);
         }
         out[r] = reduce8(f);
     }
@@ -257,9 +264,6 @@ typedef struct {
     float pad[6];
 } q4k_unpacked;
 
-/* int16 m of each 128-bit lane of v in all eight int16 slots of that lane (m a constant: the mask is a
- * memory operand, not a register) */
-static inline __m256i pick_word(__m256i v, int m) { return _mm256_shuffle_epi8(v, lane_word_mask(m)); }
 
 static _Thread_local q4k_unpacked *q4k_buf;
 static _Thread_local int64_t q4k_cap;
@@ -282,10 +286,6 @@ static void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t row0, in
         for (int r = 0; r < nrows; r++) out[t * out_stride + r] = tmp[r];
     }
 }
-
-/* The integer sums are exact in any order, and GCC regroups them into a tree whose partial products spill
- * to the stack; an empty asm on the running sum keeps each addition where it is written. */
-#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 
 /* Calls FN(buf, nb, nrows, xp, stride, nt, out, out_stride) for the tokens of a gemm 4 at a time, then the
  * last 1..3 together (nt a constant in each call, so the inlined loops unroll). */
@@ -442,22 +442,10 @@ typedef struct {
 
 static _Thread_local q6k_unpacked *q6k_buf;
 static _Thread_local int64_t q6k_cap;
-static _Thread_local __m256i *q6k_x32; /* maddubs(32, x) of up to 4 tokens for each chunk of the row */
-static _Thread_local int64_t q6k_x32_cap;
-
-/* nt (1..4) tokens against the unpacked rows of a tile, each unpacked vector loaded once for all of them;
- * maddubs(32, x) per token and chunk is made once for all the rows. */
+/* nt (1..4) tokens against the unpacked rows of a tile, each unpacked vector loaded once for all of them. */
 static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked *buf, int64_t nb, int nrows,
                                                              const char *xp, int64_t stride, int nt, float *out,
                                                              int64_t out_stride) {
-    const __m256i k32 = _mm256_set1_epi8(32);
-    for (int i = 0; i < nt; i++) {
-        const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride);
-        for (int64_t b = 0; b < nb; b++)
-            for (int c = 0; c < 8; c++)
-                q6k_x32[(8 * b + c) * 4 + i] =
-                    _mm256_maddubs_epi16(k32, _mm256_loadu_si256((const __m256i *)(x[b].q + 32 * c)));
-    }
     for (int r = 0; r < nrows; r++) {
         const q6k_unpacked *u = &buf[r * nb];
         __m256 f[4];
@@ -467,17 +455,17 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
             for (int i = 0; i < nt; i++) acc[i] = _mm256_setzero_si256();
             for (int c = 0; c < 8; c++) {
                 const __m256i q = u->q[c], sc = pick_word(u->sc, c);
-                const __m256i *x32 = &q6k_x32[(8 * b + c) * 4];
                 for (int i = 0; i < nt; i++) {
-                    const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
-                    __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x->q + 32 * c)));
-                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_sub_epi16(p, x32[i]), sc));
+                    const ms_q6_kx *x = (const ms_q6_kx *)(xp + i * stride) + b;
+                    __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x->k.q + 32 * c)));
+                    p = _mm256_sub_epi16(p, _mm256_loadu_si256((const __m256i *)(x->x32 + 16 * c)));
+                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, sc));
                     KEEP_IN_REGISTER(acc[i]);
                 }
             }
             for (int i = 0; i < nt; i++) {
-                const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
-                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(u->d * x->d), f[i]);
+                const ms_q6_kx *x = (const ms_q6_kx *)(xp + i * stride) + b;
+                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(u->d * x->k.d), f[i]);
             }
         }
         for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]);
@@ -487,8 +475,7 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
 void ms_gemm_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                        float *out, int64_t out_stride) {
     int64_t nb = m->cols / 256;
-    if (!grow((void **)&q6k_buf, &q6k_cap, nrows * nb, sizeof(q6k_unpacked)) ||
-        !grow((void **)&q6k_x32, &q6k_x32_cap, 32 * nb, sizeof(__m256i))) {
+    if (!grow((void **)&q6k_buf, &q6k_cap, nrows * nb, sizeof(q6k_unpacked))) {
         dot4_per_token(ms_dot4_q6_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
         return;
     }
@@ -521,5 +508,16 @@ void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp) {
         v = _mm256_permute4x64_epi64(v, 0xD8); /* 64-bit pieces 0, 2, 1, 3 */
         _mm256_storeu_si256((__m256i *)b[i].q, v);
         _mm256_storeu_si256((__m256i *)b[i].s8, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), eights));
+    }
+}
+
+void ms_prep_x_q6_k_avx2(const float *x, int64_t n, float *xp) {
+    ms_q6_kx *b = (ms_q6_kx *)xp;
+    const __m256i k32 = _mm256_set1_epi8(32);
+    for (int64_t i = 0; i < n / 256; i++) {
+        ms_prep_x_q8_k_avx2(x + 256 * i, 256, (float *)&b[i].k);
+        for (int c = 0; c < 8; c++)
+            _mm256_storeu_si256((__m256i *)(b[i].x32 + 16 * c),
+                                _mm256_maddubs_epi16(k32, _mm256_loadu_si256((const __m256i *)(b[i].k.q + 32 * c))));
     }
 }
