@@ -115,10 +115,12 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
     product_job *jobs = calloc((size_t)n, sizeof(product_job));
     ms_prep_x_fn *prep = calloc((size_t)n, sizeof(ms_prep_x_fn));
     int64_t *offset = calloc((size_t)n, sizeof(int64_t)); /* into the prepared buffer; -1: raw x */
-    if (jobs == NULL || prep == NULL || offset == NULL) {
+    char *owner = calloc((size_t)n, 1);                    /* 1: this product prepares its x */
+    if (jobs == NULL || prep == NULL || offset == NULL || owner == NULL) {
         free(jobs);
         free(prep);
         free(offset);
+        free(owner);
         return -1;
     }
     int64_t prepared = 0, cost = 0, tiles = 0;
@@ -141,6 +143,7 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
                 offset[i] = offset[s];
             } else {
                 offset[i] = prepared;
+                owner[i] = 1;
                 prepared += p[i].T * j->stride;
             }
         }
@@ -155,6 +158,7 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
         free(jobs);
         free(prep);
         free(offset);
+        free(owner);
         return -1;
     }
     for (int i = 0; i < n; i++) {
@@ -164,8 +168,7 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
             continue;
         }
         j->x = xp + offset[i];
-        int s = same_prepared(p, i, prep);
-        if (s >= 0) continue;
+        if (!owner[i]) continue;
         for (int64_t t = 0; t < p[i].T; t++)
             prep[i](p[i].x + t * p[i].m.cols, p[i].m.cols, (float *)(xp + offset[i] + t * j->stride));
     }
@@ -176,6 +179,7 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
     free(jobs);
     free(prep);
     free(offset);
+    free(owner);
     return 0;
 }
 

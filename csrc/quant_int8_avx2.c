@@ -77,8 +77,6 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     int64_t nb = m->cols / 256;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256i pick[8];
-    for (int i = 0; i < 8; i++) pick[i] = lane_word_mask(i);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 f = _mm256_setzero_ps();
@@ -98,8 +96,8 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
                 __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(qx + 64 * k)));
                 __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(qx + 64 * k + 32)));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, _mm256_shuffle_epi8(scales, pick[2 * k])));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, _mm256_shuffle_epi8(scales, pick[2 * k + 1])));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, pick_word(scales, 2 * k)));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, pick_word(scales, 2 * k + 1)));
             }
             __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
             __m128i ms = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x[b].bsums));
@@ -442,6 +440,7 @@ typedef struct {
 
 static _Thread_local q6k_unpacked *q6k_buf;
 static _Thread_local int64_t q6k_cap;
+
 /* nt (1..4) tokens against the unpacked rows of a tile, each unpacked vector loaded once for all of them. */
 static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked *buf, int64_t nb, int nrows,
                                                              const char *xp, int64_t stride, int nt, float *out,
