@@ -13,6 +13,7 @@ SOURCES = [
     "csrc/quant_blocks.c",
     "csrc/quant_int8.c",
     "csrc/quant_int8_avx2.c",
+    "csrc/quant_int8_avx512.c",
 ]
 
 setup(
@@ -20,7 +21,14 @@ setup(
         Extension(
             "moestream._C",
             sources=SOURCES,
-            depends=["csrc/io.h", "csrc/quant.h", "csrc/quant_int8.h", "csrc/matmul.h", "csrc/threadpool.h", "csrc/quant_float_simd.h"],
+            depends=[
+                "csrc/io.h",
+                "csrc/quant.h",
+                "csrc/quant_int8.h",
+                "csrc/matmul.h",
+                "csrc/threadpool.h",
+                "csrc/quant_float_simd.h",
+            ],
             extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-pthread"],
             extra_link_args=["-pthread", "-lm"],
         )

@@ -7,6 +7,7 @@
  * receives the exact integer sum of the products at positions 4L..4L+3 of each 32-element chunk (the lane
  * layout of maddubs + madd), converted to float and fused-multiply-added with the block's scale product;
  * the lanes are reduced as a fixed tree at the end, and a row's minimum terms (q4_k) are summed apart. */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -160,61 +161,77 @@ void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
     }
 }
 
-/* ---- mxfp4 against two-term int16 activations -------------------------------------------------------
- * Each 32-block of activations becomes x ~ a * da + b * db with int16 a, b and power-of-two da, db = da/2^15
- * (b carries the rounding residue of a, so the representation is good to 2^-29 of the block's max: float
- * accuracy), stored in the nibble order of the weights (even columns, then odd). Doubled E2M1 values are
- * small integers, so each lane's integer sums are exact; lane L holds columns 4L..4L+3 of the block,
- * t = fma(sum_b, db, sum_a * da) and f[L] = fma(t, s, f[L]) with s = 2^(e-128), in block order. */
+/* ---- mxfp4 against three-digit int8 activations -----------------------------------------------------
+ * Each 32-block of activations becomes x ~ q * d with d = 2^(e-20) for amax < 2^e, so |q| <= 2^20 and
+ * |x - q d| <= 2^-20 of the block's max (float accuracy for a dot product), the integer q written as
+ * three int8 digits (quant_int8.h). Doubled E2M1 values are small integers (|k| <= 12), so a lane's sum
+ * S = sum k q over its four positions is exact in int32 (|S| < 2^26); the SIMD kernels get it as
+ * ((A0 * 2^7 + A1) * 2^7 + A2) - off from the digit dot products A of the unsigned k + 12.
+ * Canonical order: lane L of block b holds positions 4L..4L+3 of the nibble order; it is added as
+ * acc[8 * (b & 1) + L] = fma((float)S, dd, acc[...]) with dd = 2^(s-128) * d (a power of two), in block
+ * order; the row's result is ms_lanes8_reduce of acc[L] + acc[8 + L]. */
 
 void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
-    ms_mxfp4x *blk = (ms_mxfp4x *)xp;
-    for (int64_t k = 0; k < n / 32; k++) {
-        const float *v = x + 32 * k;
-        ms_mxfp4x *o = &blk[k];
+    int64_t nb = n / 32;
+    ms_mxfp4x o = ms_mxfp4x_at(xp, nb);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *v = x + 32 * b;
+        int8_t *p0 = o.p0 + 32 * b, *p1 = o.p1 + 32 * b, *p2 = o.p2 + 32 * b;
         float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
-        memset(o->a, 0, sizeof o->a);
-        memset(o->b, 0, sizeof o->b);
-        if (!(amax > 0.0f) || !isfinite(amax)) { /* zeros: all zero; inf/nan: the sums become nan */
-            o->da = o->db = amax == 0.0f ? 0.0f : NAN;
+        int finite = 1;
+        for (int i = 0; i < 32; i++) {
+            amax = fmaxf(amax, fabsf(v[i]));
+            finite &= fabsf(v[i]) <= FLT_MAX;
+        }
+        memset(p0, 0, 32);
+        memset(p1, 0, 32);
+        memset(p2, 0, 32);
+        memset(o.off + 8 * b, 0, 8 * sizeof(int32_t));
+        if (!finite || amax == 0.0f) { /* zeros: all zero; inf/nan anywhere: the block's sums become nan */
+            o.d[b] = finite ? 0.0f : NAN;
             continue;
         }
         int e;
-        frexpf(amax, &e);           /* amax < 2^e */
-        if (e < -96) e = -96;       /* keep db = 2^(e-29) a normal number */
-        o->da = ldexpf(1.0f, e - 14); /* |a| <= 2^14 */
-        o->db = ldexpf(1.0f, e - 29); /* |b| <= 2^14 */
+        frexpf(amax, &e);  /* amax < 2^e */
+        if (e < -100) e = -100; /* keep d a normal number */
+        o.d[b] = ldexpf(1.0f, e - 20);
+        float scale = ldexpf(1.0f, 20 - e);
         for (int i = 0; i < 32; i++) {
-            int j = (i & 1) * 16 + i / 2;
-            float qa = rintf(v[i] / o->da);
-            float res = v[i] - qa * o->da; /* exact: both are multiples of ulp(v[i]) near it */
-            o->a[j] = (int16_t)qa;
-            o->b[j] = (int16_t)rintf(res / o->db);
+            int j = (i & 1) * 16 + i / 2;                       /* nibble order */
+            int32_t q = (int32_t)rintf(v[i] * scale);           /* |q| <= 2^20, to nearest even */
+            int32_t d0 = (q + 8192) >> 14, r = q - d0 * 16384;  /* d0 in -64..64, r in -8192..8191 */
+            int32_t d1 = (r + 64) >> 7, d2 = r - d1 * 128;      /* d1 in -64..64, d2 in -64..63 */
+            p0[j] = (int8_t)d0;
+            p1[j] = (int8_t)d1;
+            p2[j] = (int8_t)d2;
+            o.off[8 * b + j / 4] += 12 * q;
         }
     }
 }
 
+/* The digit value q at position j of block b. */
+static inline int32_t mx_q(const ms_mxfp4x *x, int64_t b, int j) {
+    int64_t i = 32 * b + j;
+    return x->p0[i] * 16384 + x->p1[i] * 128 + x->p2[i];
+}
+
 void ms_dot4_mxfp4_int_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_mxfp4x *x = (const ms_mxfp4x *)xp;
     int64_t nb = m->cols / 32;
+    ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const uint8_t *s8 = ms_mxfp4_scale_row(m, row0 + r);
-        float f[8] = {0};
+        float acc[16] = {0}, f[8];
         for (int64_t b = 0; b < nb; b++, w += 16) {
-            float s = ms_e8m0_half_lut[s8[b]];
+            float dd = ms_e8m0_half_lut[s8[b]] * x.d[b];
             for (int L = 0; L < 8; L++) {
-                int32_t ia = 0, ib = 0;
-                for (int c = 4 * L; c < 4 * L + 4; c++) {
-                    int k = ms_e2m1_x2_lut[(w[c / 2] >> ((c & 1) * 4)) & 0x0F], j = (c & 1) * 16 + c / 2;
-                    ia += k * x[b].a[j];
-                    ib += k * x[b].b[j];
-                }
-                float t = fmaf((float)ib, x[b].db, (float)ia * x[b].da); /* the block's dot with the activations */
-                f[L] = fmaf(t, s, f[L]);
+                int32_t S = 0;
+                for (int j = 4 * L; j < 4 * L + 4; j++) /* position j: byte j % 16, low nibble if j < 16 */
+                    S += ms_e2m1_x2_lut[(w[j % 16] >> (j < 16 ? 0 : 4)) & 0x0F] * mx_q(&x, b, j);
+                acc[8 * (b & 1) + L] = fmaf((float)S, dd, acc[8 * (b & 1) + L]);
             }
         }
+        for (int L = 0; L < 8; L++) f[L] = acc[L] + acc[8 + L];
         out[r] = ms_lanes8_reduce(f);
     }
 }

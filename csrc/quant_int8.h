@@ -22,11 +22,25 @@ typedef struct {
                        * pair layout of maddubs, made once per token for every row */
 } ms_q6_kx;          /* 532 bytes per 256 activations */
 
+/* mxfp4 activations of one token, per 32-block b (MS_MXFP4X_BYTES each, as arrays over the nb blocks of
+ * the token so that two blocks' parts lie side by side for 512-bit loads): x ~ q * d[b] with the integer
+ * q (|q| <= 2^20) split into three int8 digits q = p0 * 2^14 + p1 * 2^7 + p2 (each in -64..64), stored
+ * in the nibble order of the weights ([0..15]: the block's even columns, [16..31]: the odd ones), and
+ * off[8b + L] = 12 * (sum of q over positions 4L..4L+3): the share of the +12 that makes the doubled E2M1
+ * values unsigned (0..24) for maddubs / vpdpbusd. d[b] is a power of two (0: zero block; NaN: inf/NaN). */
+#define MS_MXFP4X_BYTES 132
 typedef struct {
-    float da, db;  /* powers of two, db = da / 2^15 */
-    int16_t a[32]; /* x ~ a * da + b * db; [0..15]: the block's even columns, [16..31]: the odd ones */
-    int16_t b[32]; /* (the nibble order of the weights) */
-} ms_mxfp4x;       /* 136 bytes per 32 activations; |x - (a da + b db)| <= 2^-29 of the block's max */
+    int8_t *p0, *p1, *p2; /* [nb * 32] */
+    int32_t *off;         /* [nb * 8] */
+    float *d;             /* [nb] */
+} ms_mxfp4x;
+
+static inline ms_mxfp4x ms_mxfp4x_at(const float *xp, int64_t nb) {
+    char *base = (char *)xp;
+    ms_mxfp4x v = {(int8_t *)base, (int8_t *)base + 32 * nb, (int8_t *)base + 64 * nb,
+                   (int32_t *)(base + 96 * nb), (float *)(base + 128 * nb)};
+    return v;
+}
 
 typedef struct {
     float d;

@@ -1,7 +1,9 @@
 /* AVX2 integer dot kernels for q8_0 and q4_k (see quant_int8.c): exact integer sums with
  * maddubs/madd, then the shared scalar epilogue per block. Also serves the AVX-512 slot for now. */
 #pragma GCC target("avx2,fma,f16c,ssse3")
+#include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -181,43 +183,49 @@ void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     }
 }
 
-/* mxfp4 x two-term int16 activations (see quant_int8.c): the 16 bytes of a block give the even columns
- * (low nibbles) and the odd ones (high nibbles) as doubled E2M1 int16 by a byte shuffle; madd against
- * the activations stored in that order puts columns 4L..4L+3 in lane L. */
+/* mxfp4 x three-digit int8 activations (see quant_int8.c): the 16 bytes of a block, broadcast to both
+ * lanes and the high lane shifted, give the nibbles in nibble order; a byte shuffle makes them the
+ * unsigned doubled E2M1 values k + 12 (0..24), so maddubs against a digit (|p| <= 64) stays in int16
+ * and madd by 2^14, 2^7 and 1 puts each digit's share of lane L's sum in int32 lane L. */
 typedef struct {
-    __m256i ae, ao, be, bo;
+    __m256i p0, p1, p2, off;
 } mx_act;
 
-static inline mx_act mx_load(const ms_mxfp4x *xb) {
-    mx_act a;
-    a.ae = _mm256_loadu_si256((const __m256i *)xb->a);
-    a.ao = _mm256_loadu_si256((const __m256i *)(xb->a + 16));
-    a.be = _mm256_loadu_si256((const __m256i *)xb->b);
-    a.bo = _mm256_loadu_si256((const __m256i *)(xb->b + 16));
+static inline mx_act mx_load(const ms_mxfp4x *x, int64_t b) {
+    mx_act a = {_mm256_loadu_si256((const __m256i *)(x->p0 + 32 * b)),
+                _mm256_loadu_si256((const __m256i *)(x->p1 + 32 * b)),
+                _mm256_loadu_si256((const __m256i *)(x->p2 + 32 * b)),
+                _mm256_loadu_si256((const __m256i *)(x->off + 8 * b))};
     return a;
 }
 
-static inline __m256 mxfp4_block(const uint8_t *w, uint8_t scale, const mx_act *x, __m256 vda, __m256 vdb,
-                                 __m128i lut, __m256 f) {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m128i bytes = _mm_loadu_si128((const __m128i *)w);
-    __m256i ke = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4)));
-    __m256i ko = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
-    __m256i ia = _mm256_add_epi32(_mm256_madd_epi16(ke, x->ae), _mm256_madd_epi16(ko, x->ao));
-    __m256i ib = _mm256_add_epi32(_mm256_madd_epi16(ke, x->be), _mm256_madd_epi16(ko, x->bo));
-    __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), vdb, _mm256_mul_ps(_mm256_cvtepi32_ps(ia), vda));
-    return _mm256_fmadd_ps(t, _mm256_set1_ps(ms_e8m0_half_lut[scale]), f);
+static inline __m256 mxfp4_block(const uint8_t *w, float dd, const mx_act *x, __m256i ulut, __m256 acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), shift = _mm256_setr_epi64x(0, 0, 4, 4);
+    __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
+    __m256i u = _mm256_shuffle_epi8(ulut, _mm256_and_si256(_mm256_srlv_epi64(bytes, shift), low4));
+    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x->p0), _mm256_set1_epi16(16384));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x->p1), _mm256_set1_epi16(128)));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x->p2), _mm256_set1_epi16(1)));
+    s = _mm256_sub_epi32(s, x->off);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dd), acc);
+}
+
+/* The doubled E2M1 values plus 12, in both lanes (a byte shuffle table). */
+static inline __m256i mx_unsigned_lut(void) {
+    int8_t t[16];
+    for (int i = 0; i < 16; i++) t[i] = (int8_t)(ms_e2m1_x2_lut[i] + 12);
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
 }
 
 void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_mxfp4x *x = (const ms_mxfp4x *)xp;
     int64_t nb = m->cols / 32;
-    const __m128i lut = _mm_loadu_si128((const __m128i *)ms_e2m1_x2_lut);
+    ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
+    const __m256i ulut = mx_unsigned_lut();
     if (nrows == 4) { /* four rows share the activation loads */
         const uint8_t *w0 = m->data + row0 * m->row_bytes, *w1 = w0 + m->row_bytes, *w2 = w1 + m->row_bytes,
                       *w3 = w2 + m->row_bytes;
         const uint8_t *s0 = ms_mxfp4_scale_row(m, row0), *s1 = s0 + nb, *s2 = s1 + nb, *s3 = s2 + nb;
-        __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+        __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
         const int64_t ahead = 4 * m->row_bytes;
         for (int64_t b = 0; b < nb; b++) {
             if ((b & 3) == 0) {
@@ -226,27 +234,34 @@ void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const f
                 prefetch_ahead(w2 + 16 * b, ahead, 64);
                 prefetch_ahead(w3 + 16 * b, ahead, 64);
             }
-            mx_act a = mx_load(&x[b]);
-            __m256 vda = _mm256_set1_ps(x[b].da), vdb = _mm256_set1_ps(x[b].db);
-            f0 = mxfp4_block(w0 + 16 * b, s0[b], &a, vda, vdb, lut, f0);
-            f1 = mxfp4_block(w1 + 16 * b, s1[b], &a, vda, vdb, lut, f1);
-            f2 = mxfp4_block(w2 + 16 * b, s2[b], &a, vda, vdb, lut, f2);
-            f3 = mxfp4_block(w3 + 16 * b, s3[b], &a, vda, vdb, lut, f3);
+            mx_act a = mx_load(&x, b);
+            float d = x.d[b];
+            e0 = mxfp4_block(w0 + 16 * b, ms_e8m0_half_lut[s0[b]] * d, &a, ulut, e0);
+            e1 = mxfp4_block(w1 + 16 * b, ms_e8m0_half_lut[s1[b]] * d, &a, ulut, e1);
+            e2 = mxfp4_block(w2 + 16 * b, ms_e8m0_half_lut[s2[b]] * d, &a, ulut, e2);
+            e3 = mxfp4_block(w3 + 16 * b, ms_e8m0_half_lut[s3[b]] * d, &a, ulut, e3);
+            if (++b == nb) break;
+            a = mx_load(&x, b); /* the odd block: the other accumulators */
+            d = x.d[b];
+            o0 = mxfp4_block(w0 + 16 * b, ms_e8m0_half_lut[s0[b]] * d, &a, ulut, o0);
+            o1 = mxfp4_block(w1 + 16 * b, ms_e8m0_half_lut[s1[b]] * d, &a, ulut, o1);
+            o2 = mxfp4_block(w2 + 16 * b, ms_e8m0_half_lut[s2[b]] * d, &a, ulut, o2);
+            o3 = mxfp4_block(w3 + 16 * b, ms_e8m0_half_lut[s3[b]] * d, &a, ulut, o3);
         }
-        out[0] = reduce8(f0);
-        out[1] = reduce8(f1);
-        out[2] = reduce8(f2);
-        out[3] = reduce8(f3);
+        out[0] = reduce8(_mm256_add_ps(e0, o0));
+        out[1] = reduce8(_mm256_add_ps(e1, o1));
+        out[2] = reduce8(_mm256_add_ps(e2, o2));
+        out[3] = reduce8(_mm256_add_ps(e3, o3));
         return;
     }
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes, *s8 = ms_mxfp4_scale_row(m, row0 + r);
-        __m256 f = _mm256_setzero_ps();
+        __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t b = 0; b < nb; b++) {
-            mx_act a = mx_load(&x[b]);
-            f = mxfp4_block(w + 16 * b, s8[b], &a, _mm256_set1_ps(x[b].da), _mm256_set1_ps(x[b].db), lut, f);
+            mx_act a = mx_load(&x, b);
+            f[b & 1] = mxfp4_block(w + 16 * b, ms_e8m0_half_lut[s8[b]] * x.d[b], &a, ulut, f[b & 1]);
         }
-        out[r] = reduce8(f);
+        out[r] = reduce8(_mm256_add_ps(f[0], f[1]));
     }
 }
 
@@ -507,6 +522,74 @@ void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp) {
         v = _mm256_permute4x64_epi64(v, 0xD8); /* 64-bit pieces 0, 2, 1, 3 */
         _mm256_storeu_si256((__m256i *)b[i].q, v);
         _mm256_storeu_si256((__m256i *)b[i].s8, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), eights));
+    }
+}
+
+/* The same bytes as ms_prep_x_mxfp4: per block, the exponent of the max |x| read off its bits (frexpf's
+ * e for a normal number; a subnormal max gets the floor of -100 either way), q = x * 2^(20-e) rounded to
+ * nearest even by cvtps, the digits by arithmetic shifts, packed to bytes and put in nibble order. */
+static inline __m256i mx_pack_nibble_order(const __m256i v[4]) {
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                                           12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256i c = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    c = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(c, perm), split); /* element order, then per lane */
+    return _mm256_permute4x64_epi64(c, 0xD8);                             /* evens of both lanes, then odds */
+}
+
+void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp) {
+    int64_t nb = n / 32;
+    ms_mxfp4x o = ms_mxfp4x_at(xp, nb);
+    const __m256 sign = _mm256_set1_ps(-0.0f), fmax = _mm256_set1_ps(FLT_MAX);
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *v = x + 32 * b;
+        __m256 a[4], vmax = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for (int k = 0; k < 4; k++) {
+            a[k] = _mm256_loadu_ps(v + 8 * k);
+            __m256 m = _mm256_andnot_ps(sign, a[k]);
+            vmax = _mm256_max_ps(m, vmax);
+            ok = _mm256_and_ps(ok, _mm256_cmp_ps(m, fmax, _CMP_LE_OQ)); /* false for inf and nan */
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float amax = _mm_cvtss_f32(m4);
+        int finite = _mm256_movemask_ps(ok) == 0xFF;
+        if (!finite || amax == 0.0f) {
+            memset(o.p0 + 32 * b, 0, 32);
+            memset(o.p1 + 32 * b, 0, 32);
+            memset(o.p2 + 32 * b, 0, 32);
+            memset(o.off + 8 * b, 0, 8 * sizeof(int32_t));
+            o.d[b] = finite ? 0.0f : NAN;
+            continue;
+        }
+        uint32_t bits;
+        memcpy(&bits, &amax, 4);
+        int e = (int)((bits >> 23) & 0xFF) - 126;
+        if (e < -100) e = -100;
+        uint32_t dbits = (uint32_t)(e - 20 + 127) << 23, sbits = (uint32_t)(20 - e + 127) << 23;
+        float scale;
+        memcpy(&o.d[b], &dbits, 4);
+        memcpy(&scale, &sbits, 4);
+        __m256i d0[4], d1[4], d2[4];
+        for (int k = 0; k < 4; k++) {
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(a[k], _mm256_set1_ps(scale)));
+            d0[k] = _mm256_srai_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(8192)), 14);
+            __m256i r = _mm256_sub_epi32(q, _mm256_slli_epi32(d0[k], 14));
+            d1[k] = _mm256_srai_epi32(_mm256_add_epi32(r, _mm256_set1_epi32(64)), 7);
+            d2[k] = _mm256_sub_epi32(r, _mm256_slli_epi32(d1[k], 7));
+        }
+        __m256i p0 = mx_pack_nibble_order(d0), p1 = mx_pack_nibble_order(d1), p2 = mx_pack_nibble_order(d2);
+        _mm256_storeu_si256((__m256i *)(o.p0 + 32 * b), p0);
+        _mm256_storeu_si256((__m256i *)(o.p1 + 32 * b), p1);
+        _mm256_storeu_si256((__m256i *)(o.p2 + 32 * b), p2);
+        /* lane sums of q from its digits: 12 * (2^14 sum p0 + 2^7 sum p1 + sum p2), exact in int32 */
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p0), _mm256_set1_epi16(16384 * 12 / 16));
+        s = _mm256_slli_epi32(s, 4);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p1), _mm256_set1_epi16(128 * 12)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p2), _mm256_set1_epi16(12)));
+        _mm256_storeu_si256((__m256i *)(o.off + 8 * b), s);
     }
 }
 

@@ -141,7 +141,7 @@ def assert_same_on_every_isa(w: Weight, x: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("shape", [(67, 301), (40, 256), (9, 16), (5, 15)])
+@pytest.mark.parametrize("shape", [(67, 301), (40, 256), (9, 16), (5, 15), (6, 1184)])
 def test_isas_bit_identical(fmt, shape):
     """Every path follows the same canonical reduction order, so they agree to the bit (with and
     without a tail of columns beyond the last full 16)."""
@@ -150,7 +150,7 @@ def test_isas_bit_identical(fmt, shape):
     assert_same_on_every_isa(w, x)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k", "int4"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k", "int4", "mxfp4"])
 def test_activation_quantization_same_on_every_isa(fmt):
     """The int8 activations each ISA prepares are the same bytes, also for an all-zero block, exact
     halves (round to even), and blocks holding inf or NaN."""
@@ -208,6 +208,26 @@ def test_mxfp4_reference_values():
     # byte 0x21: low nibble 1 -> 0.5, high nibble 2 -> 1.0; byte 0xF7: low 7 -> 6.0, high 0xF -> -6.0
     assert d[0, :4].tolist() == [1.0, 2.0, 12.0, -12.0]
     assert d.tobytes() == w.reference().tobytes()
+
+
+def test_mxfp4_every_scale_and_nibble_same_on_every_isa():
+    """Every E8M0 scale (254 and 0, the subnormal 2^-128, included) and every nibble, against
+    activations from 2^-90 to 2^90 and with zero blocks: the same bits on every path, within the bound
+    (255 is NaN: the row's result is NaN)."""
+    rng = np.random.default_rng(11)
+    rows, cols = 9, 32 * 37  # an odd number of blocks, more than 16
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    s8 = rng.integers(0, 255, (rows, cols // 32), dtype=np.uint8)
+    s8.flat[:255] = np.arange(255)
+    w = Weight(packed, s8, fmt="mxfp4")
+    x = rng.standard_normal((4, cols)).astype(np.float32)
+    x *= np.exp2(rng.integers(-90, 90, (4, cols // 32))).repeat(32, axis=1).astype(np.float32)
+    x[1, 64:96] = 0.0
+    assert_same_on_every_isa(w, x)
+    s8[:] = 127
+    s8[3, 5] = 255
+    nan_row = Weight(packed, s8, fmt="mxfp4").matmul(x[:, ::-1].copy() / np.abs(x).max())
+    assert np.isnan(nan_row[:, 3]).all() and np.isfinite(np.delete(nan_row, 3, axis=1)).all()
 
 
 def test_mxfp4_quantization_error_is_small():

@@ -5,8 +5,8 @@ Matmul error bound per format, against dequantize-then-multiply in float64 (test
   formats multiplied in float: the kernels compute the exact dequantized values and accumulate in f32
   with a fixed order, so |err| <= 1e-5 * sum_i |w_i x_i| (f32 accumulation error for the sizes we use).
   formats with integer kernels (act_block > 0): the activations are rounded to integers per act_block
-  (scale amax/act_levels: int8 for the GGUF-style kernels; for mxfp4 two int16 terms, the second
-  holding the rounding residue of the first, good to 2^-29 of the block's max), which adds at most
+  (scale amax/act_levels: int8 for the GGUF-style kernels; for mxfp4 an integer of up to 2^20 held
+  as three int8 digits, good to 2^-20 of the block's max), which adds at most
   sum over blocks of sum_i |w_i| * amax_block(x) / (2 * act_levels).
 """
 
@@ -29,7 +29,7 @@ class Format:
     block_bytes: int
     matmul_rel_bound: float  # see the module docstring
     act_block: int = 0  # > 0: activations are quantized per this many (integer dot kernels)
-    act_levels: int = 127  # ... to this many steps each side of zero (127: int8; 2**28: mxfp4's two int16 terms)
+    act_levels: int = 127  # ... to this many steps each side of zero (127: int8; 2**19: mxfp4's three digits)
 
 
 FORMATS: dict[str, Format] = {
@@ -37,8 +37,8 @@ FORMATS: dict[str, Format] = {
     "bf16": Format("bf16", 1, 1, 2, 1e-5),
     "f16": Format("f16", 2, 1, 2, 1e-5),
     "fp8": Format("fp8", 3, 1, 1, 1e-5),  # e4m3 with one f32 scale per 128x128 block
-    # E2M1 nibbles + one E8M0 byte per 32 (compressed-tensors), against two-term int16 activations
-    "mxfp4": Format("mxfp4", 4, 32, 16, 1e-5, act_block=32, act_levels=2**28),
+    # E2M1 nibbles + one E8M0 byte per 32 (compressed-tensors), against three-digit int8 activations
+    "mxfp4": Format("mxfp4", 4, 32, 16, 1e-5, act_block=32, act_levels=2**19),
     # GGUF block formats (quant/blocks.py), multiplied after an exact in-register dequantization
     "q8_0": Format("q8_0", 5, 32, 34, 1e-5, act_block=32),
     "q4_k": Format("q4_k", 6, 256, 144, 1e-5, act_block=256),

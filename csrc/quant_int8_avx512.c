@@ -1,0 +1,123 @@
+/* AVX-512 integer dot kernels with VNNI (vpdpbusd): mxfp4, two blocks per 512-bit register. The same
+ * exact lane integers and the same canonical float order as the scalar path (quant_int8.c); on an
+ * AVX-512 CPU without VNNI the AVX2 kernel runs instead. */
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#include <immintrin.h>
+#include <string.h>
+
+#include "quant.h"
+#include "quant_int8.h"
+
+static inline float reduce8(__m256 v) {
+    float f[8];
+    _mm256_storeu_ps(f, v);
+    return ms_lanes8_reduce(f);
+}
+
+/* 2^(s-128) for 16 E8M0 bytes, the values of ms_e8m0_half_lut: the exponent field is s - 1, s = 0 is the
+ * subnormal 2^-128, s = 255 the table's NaN. */
+static inline __m512 e8m0_half16(__m128i s8, int32_t nan_bits) {
+    __m512i s = _mm512_cvtepu8_epi32(s8);
+    __m512i bits = _mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(1)), 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()),
+                                 _mm512_set1_epi32(0x00200000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)), _mm512_set1_epi32(nan_bits));
+    return _mm512_castsi512_ps(bits);
+}
+
+/* Lane sums of one block pair (or, in 256 bits, one block): the unsigned values k + 12 against the three
+ * digits, as ((A0 * 2^7 + A1) * 2^7 + A2) - off, exact in int32. */
+static inline __m512i mx_pair(__m512i u, __m512i p0, __m512i p1, __m512i p2, __m512i off) {
+    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, p0);
+    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), u, p1);
+    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), u, p2);
+    return _mm512_sub_epi32(t, off);
+}
+
+static inline __m256i mx_one(__m256i u, __m256i p0, __m256i p1, __m256i p2, __m256i off) {
+    __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, p0);
+    t = _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), u, p1);
+    t = _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), u, p2);
+    return _mm256_sub_epi32(t, off);
+}
+
+/* R rows (R a constant, so the row loops unroll): for each group of 16 blocks, the 16 products
+ * 2^(s-128) * d of every row at once; per pair of blocks, the 32 bytes of each row become the nibbles of
+ * both blocks in nibble order (each block's 16 bytes twice, the second copy shifted) and one vpdpbusd
+ * chain gives the 16 lane sums, whose low half adds into the even accumulator and high half the odd. */
+static inline __attribute__((always_inline)) void mx_rows(const ms_matrix *m, int64_t row0, const int R,
+                                                          const ms_mxfp4x *x, int64_t nb, int32_t nan_bits,
+                                                          const __m512i ulut, float *out) {
+    const uint8_t *w[4], *s[4];
+    __m512 acc[4], dd[4];
+    for (int r = 0; r < R; r++) {
+        w[r] = m->data + (row0 + r) * m->row_bytes;
+        s[r] = ms_mxfp4_scale_row(m, row0 + r);
+        acc[r] = _mm512_setzero_ps();
+    }
+    const __m512i dup = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), shift = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const int64_t ahead = 4 * m->row_bytes;
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        __mmask16 km = (__mmask16)((1u << n) - 1);
+        __m512 xd = _mm512_maskz_loadu_ps(km, x->d + b0);
+        for (int r = 0; r < R; r++) dd[r] = _mm512_mul_ps(e8m0_half16(_mm_maskz_loadu_epi8(km, s[r] + b0), nan_bits), xd);
+        __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        int k = 0;
+        for (; k + 2 <= n; k += 2, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
+            int64_t b = b0 + k;
+            if ((k & 3) == 0)
+                for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[r] + 16 * b + ahead), _MM_HINT_T0);
+            __m512i p0 = _mm512_loadu_si512(x->p0 + 32 * b), p1 = _mm512_loadu_si512(x->p1 + 32 * b);
+            __m512i p2 = _mm512_loadu_si512(x->p2 + 32 * b), off = _mm512_loadu_si512(x->off + 8 * b);
+            for (int r = 0; r < R; r++) {
+                __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w[r] + 16 * b)));
+                v = _mm512_permutexvar_epi64(dup, v);
+                __m512i u = _mm512_shuffle_epi8(ulut, _mm512_and_si512(_mm512_srlv_epi64(v, shift), low4));
+                __m512 t = _mm512_cvtepi32_ps(mx_pair(u, p0, p1, p2, off));
+                acc[r] = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(idx, dd[r]), acc[r]);
+            }
+        }
+        if (k < n) { /* the last block of an odd count: an even block, the low half */
+            int64_t b = b0 + k;
+            const __m256i sh = _mm256_setr_epi64x(0, 0, 4, 4);
+            __m256i p0 = _mm256_loadu_si256((const __m256i *)(x->p0 + 32 * b));
+            __m256i p1 = _mm256_loadu_si256((const __m256i *)(x->p1 + 32 * b));
+            __m256i p2 = _mm256_loadu_si256((const __m256i *)(x->p2 + 32 * b));
+            __m256i off = _mm256_loadu_si256((const __m256i *)(x->off + 8 * b));
+            for (int r = 0; r < R; r++) {
+                __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w[r] + 16 * b)));
+                __m256i u = _mm256_shuffle_epi8(_mm512_castsi512_si256(ulut),
+                                                _mm256_and_si256(_mm256_srlv_epi64(v, sh), _mm512_castsi512_si256(low4)));
+                __m512 t = _mm512_castps256_ps512(_mm256_cvtepi32_ps(mx_one(u, p0, p1, p2, off)));
+                __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(k), dd[r]);
+                acc[r] = _mm512_mask3_fmadd_ps(t, d, acc[r], (__mmask16)0x00FF);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 lo = _mm512_castps512_ps256(acc[r]);
+        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+        out[r] = reduce8(_mm256_add_ps(lo, hi));
+    }
+}
+
+void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    if (!__builtin_cpu_supports("avx512vnni")) {
+        ms_dot4_mxfp4_int_avx2(m, row0, nrows, xp, out);
+        return;
+    }
+    int64_t nb = m->cols / 32;
+    ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
+    int8_t t[16];
+    for (int i = 0; i < 16; i++) t[i] = (int8_t)(ms_e2m1_x2_lut[i] + 12);
+    const __m512i ulut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t));
+    int32_t nan_bits;
+    memcpy(&nan_bits, &ms_e8m0_half_lut[255], sizeof nan_bits);
+    if (nrows == 4) {
+        mx_rows(m, row0, 4, &x, nb, nan_bits, ulut, out);
+        return;
+    }
+    for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, nan_bits, ulut, out + r);
+}
