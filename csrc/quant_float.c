@@ -192,7 +192,7 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_TQ2_0] = BLOCK_ROW(tq2_0, 256, 66),
     [MS_TQ1_0] = BLOCK_ROW(tq1_0, 256, 54),
     [MS_INT4_G32] = {"int4", 32, 16,
-                     {ms_dot4_int4_scalar, ms_dot4_int4_avx2, ms_dot4_int4_avx2},
+                     {ms_dot4_int4_scalar, ms_dot4_int4_avx2, ms_dot4_int4_avx512},
                      {ms_dequant_int4, ms_dequant_int4, ms_dequant_int4},
                      {ms_prep_x_int4, ms_prep_x_int4_avx2, ms_prep_x_int4_avx2}, (int)sizeof(ms_int4x)},
 };

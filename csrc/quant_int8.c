@@ -128,8 +128,9 @@ void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
 /* ---- compressed-tensors int4 (value = nibble - 8, one f32 scale per 32) -------------------------- */
 
 /* Activations in the weights' nibble order (low nibbles = even columns first), so that lane L takes
- * positions 4L..4L+3 of that order: the SIMD kernel multiplies the nibbles (0..15) as they lie and
- * takes 8 * sum(x) of the lane off, the same exact integer as sum((nibble - 8) * x). */
+ * positions 4L..4L+3 of that order: the SIMD kernels multiply the nibbles (0..15) as they lie and
+ * take 8 * sum(x) of the lane off, the same exact integer as sum((nibble - 8) * x). Like mxfp4's, the
+ * even and odd blocks of a row go to separate accumulators (two blocks fill a 512-bit register). */
 void ms_prep_x_int4(const float *x, int64_t n, float *xp) {
     ms_int4x *b = (ms_int4x *)xp;
     for (int64_t i = 0; i < n / 32; i++) {
@@ -147,16 +148,17 @@ void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const float *s = ms_int4_scale_row(m, row0 + r);
-        float f[8] = {0};
+        float acc[16] = {0}, f[8];
         for (int64_t b = 0; b < nb; b++, w += 16) {
             float dd = s[b] * x[b].d;
             for (int L = 0; L < 8; L++) {
-                int32_t acc = 0;
+                int32_t S = 0;
                 for (int p = 4 * L; p < 4 * L + 4; p++) /* position p: byte p % 16, low nibble if p < 16 */
-                    acc += (((w[p % 16] >> (p < 16 ? 0 : 4)) & 0x0F) - 8) * x[b].q[p];
-                f[L] = fmaf((float)acc, dd, f[L]);
+                    S += (((w[p % 16] >> (p < 16 ? 0 : 4)) & 0x0F) - 8) * x[b].q[p];
+                acc[8 * (b & 1) + L] = fmaf((float)S, dd, acc[8 * (b & 1) + L]);
             }
         }
+        for (int L = 0; L < 8; L++) f[L] = acc[L] + acc[8 + L];
         out[r] = ms_lanes8_reduce(f);
     }
 }

@@ -114,6 +114,17 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     }
 }
 
+/* One int4 block: the 16 bytes in both lanes, the high lane shifted, give the nibbles in nibble order
+ * (low nibbles = even columns, then high), multiplied as they lie; 8 * sum(x) per lane comes off. */
+static inline __m256 int4_block(const uint8_t *w, const ms_int4x *x, float s, __m256i shift, __m256i low4, __m256 f) {
+    __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
+    __m256i nib = _mm256_and_si256(_mm256_srlv_epi64(bytes, shift), low4);
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, _mm256_loadu_si256((const __m256i *)x->q)),
+                                  _mm256_set1_epi16(1));
+    p = _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)x->s8));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * x->d), f);
+}
+
 void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_int4x *x = (const ms_int4x *)xp;
     int64_t nb = m->cols / 32;
@@ -121,18 +132,13 @@ void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const float *s = ms_int4_scale_row(m, row0 + r);
-        __m256 f = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++, w += 16) {
+        __m256 f0 = _mm256_setzero_ps(), f1 = f0; /* even blocks, odd blocks */
+        for (int64_t b = 0; b < nb; b += 2, w += 32) {
             if ((b & 3) == 0) prefetch_ahead(w, 4 * m->row_bytes, 64);
-            /* the 16 bytes in both lanes, the high lane shifted: low nibbles (even columns), then high */
-            __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
-            __m256i nib = _mm256_and_si256(_mm256_srlv_epi64(bytes, shift), low4);
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, _mm256_loadu_si256((const __m256i *)x[b].q)),
-                                          _mm256_set1_epi16(1));
-            p = _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)x[b].s8));
-            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[b] * x[b].d), f);
+            f0 = int4_block(w, &x[b], s[b], shift, low4, f0);
+            if (b + 1 < nb) f1 = int4_block(w + 16, &x[b + 1], s[b + 1], shift, low4, f1);
         }
-        out[r] = reduce8(f);
+        out[r] = reduce8(_mm256_add_ps(f0, f1));
     }
 }
 
