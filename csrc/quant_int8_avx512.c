@@ -177,17 +177,21 @@ static inline __attribute__((always_inline)) void int4_rows(const ms_matrix *m, 
                 for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[r] + 16 * b + ahead), _MM_HINT_T0);
             __m512i q = pair_of(x[b].q, x[b + 1].q), off = pair_of(x[b].s8, x[b + 1].s8);
             for (int r = 0; r < R; r++) {
-                __m512i t = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_nibbles(w[r] + 16 * b), q), off);
+                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_nibbles(w[r] + 16 * b), q);
+                t = _mm512_sub_epi32(t, off);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(idx, dd[r]), acc[r]);
             }
         }
         if (k < n) { /* the last block of an odd count: an even block, the low half */
             int64_t b = b0 + k;
-            __m256i q = _mm256_loadu_si256((const __m256i *)x[b].q), off = _mm256_loadu_si256((const __m256i *)x[b].s8);
+            __m256i q = _mm256_loadu_si256((const __m256i *)x[b].q);
+            __m256i off = _mm256_loadu_si256((const __m256i *)x[b].s8);
             for (int r = 0; r < R; r++) {
-                __m256i t = _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), one_nibbles(w[r] + 16 * b), q), off);
+                __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), one_nibbles(w[r] + 16 * b), q);
+                t = _mm256_sub_epi32(t, off);
                 __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(k), dd[r]);
-                acc[r] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(t)), d, acc[r], (__mmask16)0x00FF);
+                __m512 tf = _mm512_castps256_ps512(_mm256_cvtepi32_ps(t));
+                acc[r] = _mm512_mask3_fmadd_ps(tf, d, acc[r], (__mmask16)0x00FF);
             }
         }
     }
