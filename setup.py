@@ -25,6 +25,7 @@ setup(
                 "csrc/io.h",
                 "csrc/quant.h",
                 "csrc/quant_int8.h",
+                "csrc/quant_int8_simd.h",
                 "csrc/matmul.h",
                 "csrc/threadpool.h",
                 "csrc/quant_float_simd.h",

@@ -1,19 +1,22 @@
-/* AVX-512 integer dot kernels with VNNI (vpdpbusd): mxfp4 and int4, two blocks per 512-bit register. The
- * same exact lane integers and the same canonical float order as the scalar path (quant_int8.c): even
- * blocks in the low half, odd blocks in the high half. On an AVX-512 CPU without VNNI the AVX2 kernels
- * run instead. */
+/* AVX-512 integer kernels: mxfp4 and int4 with VNNI (vpdpbusd), two blocks per 512-bit register, even
+ * blocks in the low half and odd ones in the high half (on an AVX-512 CPU without VNNI the AVX2 kernels
+ * run instead); the q4_k and q6_k gemms with AVX-512BW, two sub-blocks (chunks) per register. The same exact lane integers
+ * and the same canonical float order as the scalar path (quant_int8.c). */
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #include <immintrin.h>
 #include <string.h>
 
 #include "quant.h"
 #include "quant_int8.h"
+#include "quant_int8_simd.h"
 
 static inline float reduce8(__m256 v) {
     float f[8];
     _mm256_storeu_ps(f, v);
     return ms_lanes8_reduce(f);
 }
+
+#define KEEP_IN_ZMM(v) __asm__("" : "+v"(v))
 
 /* 2^(s-128) for 16 E8M0 bytes, the values of ms_e8m0_half_lut: the exponent field is s - 1, s = 0 is the
  * subnormal 2^-128, s = 255 the table's NaN. */
@@ -210,4 +213,120 @@ void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         return;
     }
     for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, x, nb, out + r);
+}
+
+/* q4_k against several tokens: the tile unpacked as for AVX2 (quant_int8_simd.h), then per token two
+ * sub-blocks per register: maddubs, and madd by the pair's scales (sub-block 2k's in the low half, 2k+1's in
+ * the high half); the halves are added at the end of the block, exact integers, so every token's lanes and
+ * epilogue are those of ms_dot4_q4_k_avx2. */
+static _Thread_local q4k_unpacked *q4k_buf;
+static _Thread_local int64_t q4k_cap;
+
+static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked *buf, int64_t nb, int nrows,
+                                                             const char *xp, int64_t stride, int nt, float *out,
+                                                             int64_t out_stride) {
+    __m512i pair[4]; /* int16 indices: 2k in the low 16 slots, 2k + 1 in the high 16 */
+    for (int k = 0; k < 4; k++)
+        pair[k] = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(2 * k)),
+                                          _mm512_set1_epi16((short)(2 * k + 1)));
+    for (int r = 0; r < nrows; r++) {
+        const q4k_unpacked *u = &buf[r * nb];
+        __m256 f[4];
+        float fmin[4];
+        for (int i = 0; i < nt; i++) {
+            f[i] = _mm256_setzero_ps();
+            fmin[i] = 0.0f;
+        }
+        for (int64_t b = 0; b < nb; b++, u++) {
+            __m512i acc[4];
+            for (int i = 0; i < nt; i++) acc[i] = _mm512_setzero_si512();
+            const __m512i scales = _mm512_castsi128_si512(u->sc);
+            for (int k = 0; k < 4; k++) {
+                const __m512i q = _mm512_load_si512(&u->q[2 * k]), sc = _mm512_permutexvar_epi16(pair[k], scales);
+                for (int i = 0; i < nt; i++) {
+                    const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
+                    __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x->q + 64 * k));
+                    acc[i] = _mm512_add_epi32(acc[i], _mm512_madd_epi16(p, sc));
+                    KEEP_IN_ZMM(acc[i]);
+                }
+            }
+            for (int i = 0; i < nt; i++) {
+                const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
+                __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]), _mm512_extracti64x4_epi64(acc[i], 1));
+                __m128i ms = _mm_madd_epi16(u->mn, _mm_loadu_si128((const __m128i *)x->bsums));
+                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
+                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
+                int32_t sm = _mm_cvtsi128_si32(ms);
+                float dd = u->d * x->d, dm = u->dmin * x->d;
+                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(dd), f[i]);
+                fmin[i] += dm * (float)sm;
+            }
+        }
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - fmin[i];
+    }
+}
+
+void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
+                         float *out, int64_t out_stride) {
+    int64_t nb = m->cols / 256;
+    if (!grow((void **)&q4k_buf, &q4k_cap, nrows * nb, sizeof(q4k_unpacked))) {
+        dot4_per_token(ms_dot4_q4_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
+        return;
+    }
+    q4k_unpack_tile(m, row0, nrows, nb, q4k_buf);
+    TOKEN_GROUPS(q4k_tokens, q4k_buf);
+}
+
+/* q6_k against several tokens: the tile unpacked as for AVX2, then per token two 32-value chunks per
+ * register, (v - 32) x as maddubs(v, x) - 32 x, madd by the four 16-value sub-blocks' scales; the halves
+ * are added at the end of the block, so every token's lanes are those of ms_dot4_q6_k_avx2. */
+static _Thread_local q6k_unpacked *q6k_buf;
+static _Thread_local int64_t q6k_cap;
+
+static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked *buf, int64_t nb, int nrows,
+                                                             const char *xp, int64_t stride, int nt, float *out,
+                                                             int64_t out_stride) {
+    __m512i pair[4]; /* chunks 2k, 2k + 1: scales 4k..4k+3, at int16 2k, 8 + 2k, 2k + 1, 9 + 2k of u->sc */
+    for (int k = 0; k < 4; k++) {
+        __m512i lo = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(2 * k)),
+                                             _mm512_set1_epi16((short)(2 * k + 1)));
+        pair[k] = _mm512_mask_add_epi16(lo, 0xFF00FF00u, lo, _mm512_set1_epi16(8));
+    }
+    for (int r = 0; r < nrows; r++) {
+        const q6k_unpacked *u = &buf[r * nb];
+        __m256 f[4];
+        for (int i = 0; i < nt; i++) f[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++, u++) {
+            __m512i acc[4];
+            for (int i = 0; i < nt; i++) acc[i] = _mm512_setzero_si512();
+            const __m512i scales = _mm512_castsi256_si512(u->sc);
+            for (int k = 0; k < 4; k++) {
+                const __m512i q = _mm512_load_si512(&u->q[2 * k]), sc = _mm512_permutexvar_epi16(pair[k], scales);
+                for (int i = 0; i < nt; i++) {
+                    const ms_q6_kx *x = (const ms_q6_kx *)(xp + i * stride) + b;
+                    __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x->k.q + 64 * k));
+                    p = _mm512_sub_epi16(p, _mm512_loadu_si512(x->x32 + 32 * k));
+                    acc[i] = _mm512_add_epi32(acc[i], _mm512_madd_epi16(p, sc));
+                    KEEP_IN_ZMM(acc[i]);
+                }
+            }
+            for (int i = 0; i < nt; i++) {
+                const ms_q6_kx *x = (const ms_q6_kx *)(xp + i * stride) + b;
+                __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]), _mm512_extracti64x4_epi64(acc[i], 1));
+                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(u->d * x->k.d), f[i]);
+            }
+        }
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]);
+    }
+}
+
+void ms_gemm_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
+                         float *out, int64_t out_stride) {
+    int64_t nb = m->cols / 256;
+    if (!grow((void **)&q6k_buf, &q6k_cap, nrows * nb, sizeof(q6k_unpacked))) {
+        dot4_per_token(ms_dot4_q6_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
+        return;
+    }
+    q6k_unpack_tile(m, row0, nrows, nb, q6k_buf);
+    TOKEN_GROUPS(q6k_tokens, q6k_buf);
 }

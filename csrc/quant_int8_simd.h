@@ -1,0 +1,142 @@
+/* Shared by the AVX2 and AVX-512 integer kernels (both compile with AVX2 enabled): half-float reads,
+ * q4_k scale unpacking, and the pieces of the several-token (gemm) kernels. */
+#ifndef MOESTREAM_QUANT_INT8_SIMD_H
+#define MOESTREAM_QUANT_INT8_SIMD_H
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant.h"
+#include "quant_int8.h"
+
+static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+
+/* The 12 scale bytes of a q4_k block as 8 six-bit scales and 8 six-bit mins, with 32-bit word
+ * operations (the same values as ms_q4_k_scales). */
+static inline void unpack_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    uint32_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;
+    uint32_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    uint32_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    memcpy(sc, &sc_lo, 4);
+    memcpy(sc + 4, &sc_hi, 4);
+    memcpy(mn, &mn_lo, 4);
+    memcpy(mn + 4, &mn_hi, 4);
+}
+
+/* The integer sums are exact in any order, and GCC regroups them into a tree whose partial products spill
+ * to the stack; an empty asm on the running sum keeps each addition where it is written. */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+
+/* q4_k against several tokens: each weight block of the tile is unpacked once (nibbles split, scales
+ * widened, super-scales converted) into a per-thread buffer, then every token runs over the unpacked
+ * tile with exactly the arithmetic of ms_dot4_q4_k_avx2. 320 bytes a block, so that the tile of a
+ * 4096-column matrix (4 rows x 16 blocks) stays in L1 while the tokens pass over it. */
+typedef struct {
+    __m256i q[8]; /* sub-block j's 32 nibbles as bytes */
+    __m128i sc;   /* the 8 scales as int16 (sub-block j's broadcast by a byte shuffle) */
+    __m128i mn;   /* the 8 mins as int16 */
+    float d, dmin;
+    float pad[6];
+} q4k_unpacked;
+
+/* A per-thread buffer of at least need items of size bytes, 64-aligned: 1, or 0 when out of memory. */
+static inline int grow(void **buf, int64_t *cap, int64_t need, size_t size) {
+    if (*cap >= need) return 1;
+    free(*buf);
+    *buf = aligned_alloc(64, (size_t)need * size);
+    *cap = *buf ? need : 0;
+    return *buf != NULL;
+}
+
+/* A gemm without memory for its buffers: the decode kernel token by token (the same numbers). */
+static inline void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t row0, int nrows, const char *xp,
+                           int64_t stride, int64_t T, float *out, int64_t out_stride) {
+    for (int64_t t = 0; t < T; t++) {
+        float tmp[4];
+        dot4(m, row0, nrows, (const float *)(xp + t * stride), tmp);
+        for (int r = 0; r < nrows; r++) out[t * out_stride + r] = tmp[r];
+    }
+}
+
+/* Calls FN(buf, nb, nrows, xp, stride, nt, out, out_stride) for the tokens of a gemm 4 at a time, then the
+ * last 1..3 together (nt a constant in each call, so the inlined loops unroll). */
+#define TOKEN_GROUPS(FN, BUF)                                                                           \
+    do {                                                                                                \
+        int64_t t_ = 0;                                                                                 \
+        for (; t_ + 4 <= T; t_ += 4) FN(BUF, nb, nrows, xp + t_ * stride, stride, 4, out + t_ * out_stride, out_stride); \
+        switch (T - t_) {                                                                               \
+            case 3: FN(BUF, nb, nrows, xp + t_ * stride, stride, 3, out + t_ * out_stride, out_stride); break; \
+            case 2: FN(BUF, nb, nrows, xp + t_ * stride, stride, 2, out + t_ * out_stride, out_stride); break; \
+            case 1: FN(BUF, nb, nrows, xp + t_ * stride, stride, 1, out + t_ * out_stride, out_stride); break; \
+            default: break;                                                                             \
+        }                                                                                               \
+    } while (0)
+
+/* The rows [row0, row0 + nrows) of a q4_k matrix unpacked block by block into buf[r * nb + b]. */
+static inline void q4k_unpack_tile(const ms_matrix *m, int64_t row0, int nrows, int64_t nb, q4k_unpacked *buf) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        for (int64_t b = 0; b < nb; b++, w += 144) {
+            q4k_unpacked *u = &buf[r * nb + b];
+            uint8_t sc[8], mn[8];
+            unpack_q4_k_scales(w + 4, sc, mn);
+            for (int k = 0; k < 4; k++) {
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * k));
+                u->q[2 * k] = _mm256_and_si256(bytes, low4);
+                u->q[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            }
+            u->sc = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc));
+            u->mn = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+            u->d = h2f(w);
+            u->dmin = h2f(w + 2);
+        }
+    }
+}
+
+/* The 6-bit values (0..63) of q6_k chunks 4h..4h+3 (128 weights) of the block at w. */
+static inline void q6k_values(const uint8_t *w, int h, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+    __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+}
+
+/* q6_k against several tokens: each weight block of the tile unpacked once (6-bit values as unsigned
+ * bytes, scale pairs widened), then per token (v - 32) x as q x - 32 x: maddubs(q, x) - maddubs(32, x)
+ * is the same int16 pair sum as the decode kernel's (no int16 overflow on either side), and the 32 x
+ * half is made once per token for all the rows of the tile. */
+typedef struct {
+    __m256i q[8];  /* chunk c = 4h + k: 32 values 0..63 */
+    __m256i sc;    /* the 16 scales as int16, even ones in the low lane: chunk c's pair is int16 c of both */
+    float d;
+    float pad[7];
+} q6k_unpacked;
+
+/* The rows [row0, row0 + nrows) of a q6_k matrix unpacked block by block into buf[r * nb + b]. */
+static inline void q6k_unpack_tile(const ms_matrix *m, int64_t row0, int nrows, int64_t nb, q6k_unpacked *buf) {
+    const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        for (int64_t b = 0; b < nb; b++, w += 210) {
+            q6k_unpacked *u = &buf[r * nb + b];
+            __m256i scales =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), even_odd));
+            q6k_values(w, 0, u->q);
+            q6k_values(w, 1, u->q + 4);
+            u->sc = scales;
+            u->d = h2f(w + 208);
+        }
+    }
+}
+
+#endif
