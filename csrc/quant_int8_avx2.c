@@ -12,11 +12,6 @@
 #include "quant_int8_simd.h"
 
 
-static inline float reduce8(__m256 v) {
-    float f[8];
-    _mm256_storeu_ps(f, v);
-    return ms_lanes8_reduce(f);
-}
 
 /* The rows of a dot4 tile are short streams the hardware prefetcher picks up late; each kernel asks for
  * the same bytes of the row four rows ahead (the next tile) while it works on this one. */

@@ -10,11 +10,6 @@
 #include "quant_int8.h"
 #include "quant_int8_simd.h"
 
-static inline float reduce8(__m256 v) {
-    float f[8];
-    _mm256_storeu_ps(f, v);
-    return ms_lanes8_reduce(f);
-}
 
 #define KEEP_IN_ZMM(v) __asm__("" : "+v"(v))
 

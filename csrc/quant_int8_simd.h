@@ -11,6 +11,13 @@
 
 static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 
+/* ms_lanes8_reduce in registers, the same additions in the same order: (f0+f4 + f2+f6) + (f1+f5 + f3+f7). */
+static inline float reduce8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* f0+f4, .., f3+f7 */
+    __m128 c = _mm_add_ps(a, _mm_movehl_ps(a, a));                                   /* a0+a2, a1+a3 */
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
 /* The 12 scale bytes of a q4_k block as 8 six-bit scales and 8 six-bit mins, with 32-bit word
  * operations (the same values as ms_q4_k_scales). */
 static inline void unpack_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
