@@ -212,10 +212,18 @@ void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
 
 /* q4_k against several tokens: the tile unpacked as for AVX2 (quant_int8_simd.h), then per token two
  * sub-blocks per register: maddubs, and madd by the pair's scales (sub-block 2k's in the low half, 2k+1's in
- * the high half); the halves are added at the end of the block, exact integers, so every token's lanes and
- * epilogue are those of ms_dot4_q4_k_avx2. */
+ * the high half); the halves are added at the end of the block, exact integers. The block epilogue runs for
+ * the group's tokens together, one 128-bit lane each: the sums of mins times bsums, dmin * d(x) and
+ * d * d(x), and the running min term; the same float operations per token as ms_dot4_q4_k_avx2. */
+typedef struct {
+    __m512i bsums; /* token i's 8 bsums in 128-bit lane i (zero beyond the group) */
+    __m512 d;      /* token i's d in 128-bit lane i */
+} q4k_group;
+
 static _Thread_local q4k_unpacked *q4k_buf;
 static _Thread_local int64_t q4k_cap;
+static _Thread_local q4k_group *q4k_grp;
+static _Thread_local int64_t q4k_grp_cap;
 
 static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked *buf, int64_t nb, int nrows,
                                                              const char *xp, int64_t stride, int nt, float *out,
@@ -224,14 +232,24 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
     for (int k = 0; k < 4; k++)
         pair[k] = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(2 * k)),
                                           _mm512_set1_epi16((short)(2 * k + 1)));
+    q4k_group *g = q4k_grp;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i bs = _mm512_setzero_si512();
+        __m512 d = _mm512_setzero_ps();
+        for (int i = 0; i < nt; i++) {
+            const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
+            __mmask16 lane = (__mmask16)(0xFu << (4 * i));
+            bs = _mm512_mask_broadcast_i32x4(bs, lane, _mm_loadu_si128((const __m128i *)x->bsums));
+            d = _mm512_mask_mov_ps(d, lane, _mm512_set1_ps(x->d));
+        }
+        g[b].bsums = bs;
+        g[b].d = d;
+    }
     for (int r = 0; r < nrows; r++) {
         const q4k_unpacked *u = &buf[r * nb];
         __m256 f[4];
-        float fmin[4];
-        for (int i = 0; i < nt; i++) {
-            f[i] = _mm256_setzero_ps();
-            fmin[i] = 0.0f;
-        }
+        __m512 fmin = _mm512_setzero_ps();
+        for (int i = 0; i < nt; i++) f[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, u++) {
             __m512i acc[4];
             for (int i = 0; i < nt; i++) acc[i] = _mm512_setzero_si512();
@@ -245,26 +263,29 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
                     KEEP_IN_ZMM(acc[i]);
                 }
             }
+            __m512i ms = _mm512_madd_epi16(_mm512_broadcast_i32x4(u->mn), g[b].bsums);
+            ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, (_MM_PERM_ENUM)0x4e));
+            ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, (_MM_PERM_ENUM)0xb1)); /* sum(mn * bsums) */
+            __m512 dm = _mm512_mul_ps(_mm512_set1_ps(u->dmin), g[b].d);
+            fmin = _mm512_add_ps(fmin, _mm512_mul_ps(dm, _mm512_cvtepi32_ps(ms)));
+            __m512 dd = _mm512_mul_ps(_mm512_set1_ps(u->d), g[b].d);
             for (int i = 0; i < nt; i++) {
-                const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
                 __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]), _mm512_extracti64x4_epi64(acc[i], 1));
-                __m128i ms = _mm_madd_epi16(u->mn, _mm_loadu_si128((const __m128i *)x->bsums));
-                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
-                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
-                int32_t sm = _mm_cvtsi128_si32(ms);
-                float dd = u->d * x->d, dm = u->dmin * x->d;
-                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(dd), f[i]);
-                fmin[i] += dm * (float)sm;
+                __m256 di = _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_set1_epi32(4 * i), dd));
+                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), di, f[i]);
             }
         }
-        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - fmin[i];
+        float fm[16];
+        _mm512_storeu_ps(fm, fmin);
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - fm[4 * i];
     }
 }
 
 void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride) {
     int64_t nb = m->cols / 256;
-    if (!grow((void **)&q4k_buf, &q4k_cap, nrows * nb, sizeof(q4k_unpacked))) {
+    if (!grow((void **)&q4k_buf, &q4k_cap, nrows * nb, sizeof(q4k_unpacked)) ||
+        !grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group))) {
         dot4_per_token(ms_dot4_q4_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
         return;
     }
