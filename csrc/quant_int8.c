@@ -139,6 +139,7 @@ void ms_prep_x_int4(const float *x, int64_t n, float *xp) {
         for (int p = 0; p < 32; p++) b[i].q[p] = q[p < 16 ? 2 * p : 2 * (p - 16) + 1];
         for (int L = 0; L < 8; L++)
             b[i].s8[L] = 8 * (b[i].q[4 * L] + b[i].q[4 * L + 1] + b[i].q[4 * L + 2] + b[i].q[4 * L + 3]);
+        ms_int4x_scales(xp, n / 32)[i] = b[i].d;
     }
 }
 

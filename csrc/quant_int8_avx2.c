@@ -417,6 +417,7 @@ void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp) {
         v = _mm256_permute4x64_epi64(v, 0xD8); /* 64-bit pieces 0, 2, 1, 3 */
         _mm256_storeu_si256((__m256i *)b[i].q, v);
         _mm256_storeu_si256((__m256i *)b[i].s8, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), eights));
+        ms_int4x_scales(xp, n / 32)[i] = b[i].d;
     }
 }
 

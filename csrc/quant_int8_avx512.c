@@ -140,14 +140,16 @@ void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const
 
 /* int4 (nibble - 8, one f32 scale per 32): the nibbles multiplied as they lie against the int8
  * activations in nibble order, 8 * sum(x) per lane taken off; the activation blocks are 68-byte records,
- * so a pair's halves are loaded apart, and the 16 products s * d of a group of blocks are made per row. */
+ * so a pair's halves are loaded apart; the scales d come from the array after the records, 16 at a time, and
+ * the 16 products s * d of a group of blocks are made per row. */
 static inline __m512i pair_of(const void *lo, const void *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
                               _mm256_loadu_si256((const __m256i *)hi), 1);
 }
 
 static inline __attribute__((always_inline)) void int4_rows(const ms_matrix *m, int64_t row0, const int R,
-                                                            const ms_int4x *x, int64_t nb, float *out) {
+                                                            const ms_int4x *x, const float *xs, int64_t nb,
+                                                            float *out) {
     const uint8_t *w[4];
     const float *s[4];
     __m512 acc[4], dd[4];
@@ -160,9 +162,7 @@ static inline __attribute__((always_inline)) void int4_rows(const ms_matrix *m, 
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
         __mmask16 km = (__mmask16)((1u << n) - 1);
-        float d16[16] = {0};
-        for (int k = 0; k < n; k++) d16[k] = x[b0 + k].d;
-        __m512 xd = _mm512_loadu_ps(d16);
+        __m512 xd = n == 16 ? _mm512_loadu_ps(xs + b0) : _mm512_maskz_loadu_ps(km, xs + b0);
         for (int r = 0; r < R; r++) {
             _mm_prefetch((const char *)(s[r] + b0 + 4 * nb), _MM_HINT_T0); /* the next tile's scales */
             dd[r] = _mm512_mul_ps(n == 16 ? _mm512_loadu_ps(s[r] + b0) : _mm512_maskz_loadu_ps(km, s[r] + b0), xd);
@@ -203,11 +203,12 @@ void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
     }
     const ms_int4x *x = (const ms_int4x *)xp;
     int64_t nb = m->cols / 32;
+    const float *xs = ms_int4x_scales(xp, nb);
     if (nrows == 4) {
-        int4_rows(m, row0, 4, x, nb, out);
+        int4_rows(m, row0, 4, x, xs, nb, out);
         return;
     }
-    for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, x, nb, out + r);
+    for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, x, xs, nb, out + r);
 }
 
 /* q4_k against several tokens: the tile unpacked as for AVX2 (quant_int8_simd.h), then per token two
