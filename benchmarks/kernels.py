@@ -1,6 +1,7 @@
 """GB/s of weights streamed by the matvec kernels, per format, for three decode shapes at 1 and 2 threads,
-beside a plain memory read measured in the same run. Each measurement cycles through enough copies of
-the matrix (>= 1 GB) that the weights come from memory, as in decode.
+beside a plain memory read measured just before and just after each kernel measurement (their mean is the
+baseline of that cell). Each measurement cycles through enough copies of the matrix (>= 1 GB) that the
+weights come from memory, as in decode.
 
     python3 benchmarks/kernels.py [--formats bf16,q4_k,...] [--seconds 0.3]
 """
@@ -57,15 +58,18 @@ def main() -> None:
     args = ap.parse_args()
     print(f"machine: {machine()}\ncommit: {commit()}\n")
     buf = np.ones(1 << 30, np.uint8)
-    base = {t: (1 << 30) / best_time(lambda t=t: _C.memread(buf, t), 3, args.seconds) / 1e9 for t in (1, 2)}
-    buf = np.zeros(0, np.uint8)  # free it
+
+    def read_gbs(t: int) -> float:
+        return (1 << 30) / best_time(lambda: _C.memread(buf, t), 3, args.seconds) / 1e9
+
     rng = np.random.default_rng(0)
-    rows: list[list[object]] = [["memory read", "", f"{base[1]:.1f}", "100%", f"{base[2]:.1f}", "100%"]]
+    rows: list[list[object]] = []
     for fmt in args.formats.split(","):
         for r, c in SHAPES:
             ws = copies(make(fmt, rng.standard_normal((r, c)).astype(np.float32)))
             x = rng.standard_normal((1, c)).astype(np.float32)
             cells: list[object] = [fmt + (" *" if fmt in TARGET else ""), f"{r}x{c}"]
+            base = []
             for t in (1, 2):
                 i = [0]
 
@@ -73,11 +77,17 @@ def main() -> None:
                     ws[i[0] % len(ws)].matmul(x, t)
                     i[0] += 1
 
+                # the memory read just before and just after the kernel: the machine's bandwidth moves
+                # within minutes, so each share is taken against the read of the same moment
+                before = read_gbs(t)
                 gbs = ws[0].nbytes / best_time(step, 3, args.seconds) / 1e9
-                cells += [f"{gbs:.1f}", f"{100 * gbs / base[t]:.0f}%"]
+                base.append((before + read_gbs(t)) / 2)
+                cells += [f"{gbs:.1f}", f"{100 * gbs / base[-1]:.0f}%"]
+            cells.append(f"{base[0]:.1f} / {base[1]:.1f}")
             rows.append(cells)
             del ws
-    print(table(["format", "shape", "GB/s 1 thr", "of read", "GB/s 2 thr", "of read"], rows))
+    header = ["format", "shape", "GB/s 1 thr", "of read", "GB/s 2 thr", "of read", "read 1 / 2 thr"]
+    print(table(header, rows))
     print("\n* target: >= 80% of the memory read at 2 threads")
 
 
