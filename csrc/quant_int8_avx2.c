@@ -13,11 +13,6 @@
 
 
 
-/* The rows of a dot4 tile are short streams the hardware prefetcher picks up late; each kernel asks for
- * the same bytes of the row four rows ahead (the next tile) while it works on this one. */
-static inline void prefetch_ahead(const uint8_t *p, int64_t ahead, int nbytes) {
-    for (int o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
-}
 
 /* sum of signed a[i] * b[i] per 4 bytes into 8 int32 lanes (|a| <= 128, |b| <= 127: no int16 overflow) */
 static inline __m256i dot_i8_32(__m256i a, __m256i b) {
@@ -79,14 +74,7 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, pick_word(scales, 2 * k)));
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, pick_word(scales, 2 * k + 1)));
             }
-            __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
-            __m128i ms = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x[b].bsums));
-            ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
-            ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
-            int32_t sm = _mm_cvtsi128_si32(ms);
-            float dd = h2f(w) * x[b].d, dm = h2f(w + 2) * x[b].d;
-            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dd), f);
-            fmin += dm * (float)sm;
+            f = q4k_epilogue(w, &x[b], mn, acc, f, &fmin);
         }
         out[r] = reduce8(f) - fmin;
     }

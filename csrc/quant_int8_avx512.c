@@ -1,7 +1,7 @@
 /* AVX-512 integer kernels: mxfp4 and int4 with VNNI (vpdpbusd), two blocks per 512-bit register, even
  * blocks in the low half and odd ones in the high half (on an AVX-512 CPU without VNNI the AVX2 kernels
- * run instead); the q4_k and q6_k gemms with AVX-512BW, two sub-blocks (chunks) per register. The same exact lane integers
- * and the same canonical float order as the scalar path (quant_int8.c). */
+ * run instead); q4_k and q6_k (decode and gemm) with AVX-512BW, two sub-blocks (chunks) per register.
+ * The same exact lane integers and the same canonical float order as the scalar path (quant_int8.c). */
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #include <immintrin.h>
 #include <string.h>
@@ -346,4 +346,90 @@ void ms_gemm_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char
     }
     q6k_unpack_tile(m, row0, nrows, nb, q6k_buf);
     TOKEN_GROUPS(q6k_tokens, q6k_buf);
+}
+
+/* q6_k against one token: per half block, the 64 low-bit bytes and the 32 high-bit bytes (twice) give two
+ * pairs of 32-value chunks, (low nibbles | 2 high bits << 4) for chunks 4h, 4h + 1 and (high nibbles |
+ * ...) for 4h + 2, 4h + 3; then (v - 32) x = maddubs(v, x) - 32 x and madd by the four sub-blocks' scales,
+ * the halves added at the end of the block: the lanes of ms_dot4_q6_k_avx2. */
+void ms_dot4_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q6_kx *x = (const ms_q6_kx *)xp;
+    int64_t nb = m->cols / 256;
+    __m512i pair[4]; /* int16 indices of the scales of chunks 2k, 2k + 1: 4k, 4k + 1, 4k + 2, 4k + 3 */
+    for (int k = 0; k < 4; k++)
+        pair[k] = _mm512_setr_epi64(0x0001000100010001LL * (4 * k), 0x0001000100010001LL * (4 * k),
+                                    0x0001000100010001LL * (4 * k + 1), 0x0001000100010001LL * (4 * k + 1),
+                                    0x0001000100010001LL * (4 * k + 2), 0x0001000100010001LL * (4 * k + 2),
+                                    0x0001000100010001LL * (4 * k + 3), 0x0001000100010001LL * (4 * k + 3));
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+    const __m512i sh01 = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), sh23 = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        __m256 f = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++, w += 210) {
+            prefetch_ahead(w, 4 * m->row_bytes, 210);
+            const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
+            const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+            const int8_t *qx = x[b].k.q;
+            const int16_t *x32 = x[b].x32;
+            __m512i acc = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                __m512i lo = _mm512_loadu_si512(w + 64 * h);                                    /* chunks 4h, 4h + 1 */
+                __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
+                __m512i v[2];
+                v[0] = _mm512_or_si512(_mm512_and_si512(lo, m4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(hi, sh01), m2), 4));
+                v[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), m4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(hi, sh23), m2), 4));
+                for (int k = 0; k < 2; k++) { /* chunks 4h + 2k, 4h + 2k + 1 */
+                    int c = 4 * h + 2 * k;
+                    __m512i p = _mm512_maddubs_epi16(v[k], _mm512_loadu_si512(qx + 32 * c));
+                    p = _mm512_sub_epi16(p, _mm512_loadu_si512(x32 + 16 * c));
+                    __m512i sc = _mm512_permutexvar_epi16(pair[2 * h + k], scales);
+                    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
+                    KEEP_IN_ZMM(acc);
+                }
+            }
+            __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(h2f(w + 208) * x[b].k.d), f);
+        }
+        out[r] = reduce8(f);
+    }
+}
+
+/* q4_k against one token: each 32 bytes of nibbles broadcast to both halves, the high half shifted, give
+ * sub-blocks 2k (low nibbles) and 2k + 1 (high) against 64 consecutive activations, madd by the two
+ * sub-blocks' scales; the halves are added at the end of the block: the lanes of ms_dot4_q4_k_avx2, and
+ * its epilogue. */
+void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    int64_t nb = m->cols / 256;
+    __m512i pair[4]; /* int16 indices: 2k in the low 16 slots, 2k + 1 in the high 16 */
+    for (int k = 0; k < 4; k++)
+        pair[k] = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(2 * k)),
+                                          _mm512_set1_epi16((short)(2 * k + 1)));
+    const __m512i m4 = _mm512_set1_epi8(0x0F), shift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        __m256 f = _mm256_setzero_ps();
+        float fmin = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += 144) {
+            prefetch_ahead(w, 4 * m->row_bytes, 144);
+            uint8_t sc[8], mn[8];
+            unpack_q4_k_scales(w + 4, sc, mn);
+            const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+            const int8_t *qx = x[b].q;
+            __m512i acc = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * k)));
+                __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4);
+                __m512i p = _mm512_maddubs_epi16(nib, _mm512_loadu_si512(qx + 64 * k));
+                acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pair[k], scales)));
+                KEEP_IN_ZMM(acc);
+            }
+            __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+            f = q4k_epilogue(w, &x[b], mn, a, f, &fmin);
+        }
+        out[r] = reduce8(f) - fmin;
+    }
 }

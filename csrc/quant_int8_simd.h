@@ -11,6 +11,26 @@
 
 static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 
+/* The rows of a dot4 tile are short streams the hardware prefetcher picks up late; each kernel asks for
+ * the same bytes of the row four rows ahead (the next tile) while it works on this one. */
+static inline void prefetch_ahead(const uint8_t *p, int64_t ahead, int nbytes) {
+    for (int o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
+}
+
+/* The end of a q4_k block against one token (w: the block, acc: its exact lane sums): the lanes times
+ * d * d(x) added to f, and dmin * d(x) * sum(mins * bsums) to the row's separate min term. */
+static inline __m256 q4k_epilogue(const uint8_t *w, const ms_q8_kx *x, const uint8_t mn[8], __m256i acc, __m256 f,
+                                  float *fmin) {
+    __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+    __m128i ms = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bsums));
+    ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
+    ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
+    int32_t sm = _mm_cvtsi128_si32(ms);
+    float dd = h2f(w) * x->d, dm = h2f(w + 2) * x->d;
+    *fmin += dm * (float)sm;
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dd), f);
+}
+
 /* ms_lanes8_reduce in registers, the same additions in the same order: (f0+f4 + f2+f6) + (f1+f5 + f3+f7). */
 static inline float reduce8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* f0+f4, .., f3+f7 */
