@@ -58,10 +58,10 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
         float fmin = 0.0f;
         for (int64_t b = 0; b < nb; b++, w += 144) {
             prefetch_ahead(w, 4 * m->row_bytes, 144);
-            uint8_t sc[8], mn[8];
-            unpack_q4_k_scales(w + 4, sc, mn);
+            __m128i sc, mn;
+            q4k_scales_mins(w + 4, &sc, &mn);
             /* the 8 scales as int16 in both lanes; sub-block j's scale in every slot by one byte shuffle */
-            __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+            __m256i scales = _mm256_broadcastsi128_si256(sc);
             const uint8_t *q = w + 16;
             const int8_t *qx = x[b].q;
             __m256i acc = _mm256_setzero_si256();

@@ -415,9 +415,9 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         float fmin = 0.0f;
         for (int64_t b = 0; b < nb; b++, w += 144) {
             prefetch_ahead(w, 4 * m->row_bytes, 144);
-            uint8_t sc[8], mn[8];
-            unpack_q4_k_scales(w + 4, sc, mn);
-            const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+            __m128i sc, mn;
+            q4k_scales_mins(w + 4, &sc, &mn);
+            const __m512i scales = _mm512_castsi128_si512(sc);
             const int8_t *qx = x[b].q;
             __m512i acc = _mm512_setzero_si512();
             for (int k = 0; k < 4; k++) {

@@ -19,9 +19,8 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t ahead, int nbytes) {
 
 /* The end of a q4_k block against one token (w: the block, acc: its exact lane sums): the lanes times
  * d * d(x) added to f, and dmin * d(x) * sum(mins * bsums) to the row's separate min term. */
-static inline __m256 q4k_epilogue(const uint8_t *w, const ms_q8_kx *x, const uint8_t mn[8], __m256i acc, __m256 f,
+static inline __m256 q4k_epilogue(const uint8_t *w, const ms_q8_kx *x, __m128i mins, __m256i acc, __m256 f,
                                   float *fmin) {
-    __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
     __m128i ms = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bsums));
     ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
     ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
@@ -38,19 +37,17 @@ static inline float reduce8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-/* The 12 scale bytes of a q4_k block as 8 six-bit scales and 8 six-bit mins, with 32-bit word
- * operations (the same values as ms_q4_k_scales). */
-static inline void unpack_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
-    uint32_t u[4];
+/* The 12 scale bytes of a q4_k block as 8 six-bit scales and 8 six-bit mins, widened to int16, with 32-bit
+ * word operations in general registers (the same values as ms_q4_k_scales; no bytes stored and reloaded). */
+static inline void q4k_scales_mins(const uint8_t *s, __m128i *sc, __m128i *mn) {
+    uint32_t u[3];
     memcpy(u, s, 12);
     const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    uint32_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;
-    uint32_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
-    uint32_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
-    memcpy(sc, &sc_lo, 4);
-    memcpy(sc + 4, &sc_hi, 4);
-    memcpy(mn, &mn_lo, 4);
-    memcpy(mn + 4, &mn_hi, 4);
+    uint64_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;
+    uint64_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    uint64_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    *sc = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)(sc_lo | sc_hi << 32)));
+    *mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)(mn_lo | mn_hi << 32)));
 }
 
 /* The integer sums are exact in any order, and GCC regroups them into a tree whose partial products spill
@@ -109,15 +106,12 @@ static inline void q4k_unpack_tile(const ms_matrix *m, int64_t row0, int nrows, 
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         for (int64_t b = 0; b < nb; b++, w += 144) {
             q4k_unpacked *u = &buf[r * nb + b];
-            uint8_t sc[8], mn[8];
-            unpack_q4_k_scales(w + 4, sc, mn);
+            q4k_scales_mins(w + 4, &u->sc, &u->mn);
             for (int k = 0; k < 4; k++) {
                 __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * k));
                 u->q[2 * k] = _mm256_and_si256(bytes, low4);
                 u->q[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
             }
-            u->sc = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc));
-            u->mn = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
             u->d = h2f(w);
             u->dmin = h2f(w + 2);
         }
