@@ -2,7 +2,7 @@
  * blocks in the low half and odd ones in the high half (on an AVX-512 CPU without VNNI the AVX2 kernels
  * run instead); q4_k and q6_k (decode and gemm) with AVX-512BW, two sub-blocks (chunks) per register.
  * The same exact lane integers and the same canonical float order as the scalar path (quant_int8.c). */
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 #include <immintrin.h>
 #include <string.h>
 
@@ -12,6 +12,10 @@
 
 
 #define KEEP_IN_ZMM(v) __asm__("" : "+v"(v))
+
+/* Only the functions that use vpdpbusd are compiled for VNNI, so that the compiler cannot put VNNI
+ * instructions into the kernels an AVX-512 CPU without it runs. */
+#define VNNI __attribute__((target("avx512vnni")))
 
 /* 2^(s-128) for 16 E8M0 bytes, the values of ms_e8m0_half_lut: the exponent field is s - 1, s = 0 is the
  * subnormal 2^-128, s = 255 the table's NaN. */
@@ -26,14 +30,14 @@ static inline __m512 e8m0_half16(__m128i s8, int32_t nan_bits) {
 
 /* Lane sums of one block pair (or, in 256 bits, one block): the unsigned values k + 12 against the three
  * digits, as ((A0 * 2^7 + A1) * 2^7 + A2) - off, exact in int32. */
-static inline __m512i mx_pair(__m512i u, __m512i p0, __m512i p1, __m512i p2, __m512i off) {
+static inline VNNI __m512i mx_pair(__m512i u, __m512i p0, __m512i p1, __m512i p2, __m512i off) {
     __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, p0);
     t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), u, p1);
     t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), u, p2);
     return _mm512_sub_epi32(t, off);
 }
 
-static inline __m256i mx_one(__m256i u, __m256i p0, __m256i p1, __m256i p2, __m256i off) {
+static inline VNNI __m256i mx_one(__m256i u, __m256i p0, __m256i p1, __m256i p2, __m256i off) {
     __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, p0);
     t = _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), u, p1);
     t = _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), u, p2);
@@ -68,7 +72,7 @@ static inline float finish(__m512 acc) {
  * 2^(s-128) * d of every row at once; per pair of blocks, the 32 bytes of each row become the nibbles of
  * both blocks in nibble order (each block's 16 bytes twice, the second copy shifted) and one vpdpbusd
  * chain gives the 16 lane sums, whose low half adds into the even accumulator and high half the odd. */
-static inline __attribute__((always_inline)) void mx_rows(const ms_matrix *m, int64_t row0, const int R,
+static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *m, int64_t row0, const int R,
                                                           const ms_mxfp4x *x, int64_t nb, int32_t nan_bits,
                                                           const __m512i ulut, float *out) {
     const uint8_t *w[4], *s[4];
@@ -119,11 +123,7 @@ static inline __attribute__((always_inline)) void mx_rows(const ms_matrix *m, in
     for (int r = 0; r < R; r++) out[r] = finish(acc[r]);
 }
 
-void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    if (!__builtin_cpu_supports("avx512vnni")) {
-        ms_dot4_mxfp4_int_avx2(m, row0, nrows, xp, out);
-        return;
-    }
+static VNNI void mxfp4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     int64_t nb = m->cols / 32;
     ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
     int8_t t[16];
@@ -138,6 +138,13 @@ void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const
     for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, nan_bits, ulut, out + r);
 }
 
+void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    if (__builtin_cpu_supports("avx512vnni"))
+        mxfp4_vnni(m, row0, nrows, xp, out);
+    else
+        ms_dot4_mxfp4_int_avx2(m, row0, nrows, xp, out);
+}
+
 /* int4 (nibble - 8, one f32 scale per 32): the nibbles multiplied as they lie against the int8
  * activations in nibble order, 8 * sum(x) per lane taken off; the activation blocks are 68-byte records,
  * so a pair's halves are loaded apart; the scales d come from the array after the records, 16 at a time, and
@@ -147,7 +154,7 @@ static inline __m512i pair_of(const void *lo, const void *hi) {
                               _mm256_loadu_si256((const __m256i *)hi), 1);
 }
 
-static inline __attribute__((always_inline)) void int4_rows(const ms_matrix *m, int64_t row0, const int R,
+static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix *m, int64_t row0, const int R,
                                                             const ms_int4x *x, const float *xs, int64_t nb,
                                                             float *out) {
     const uint8_t *w[4];
@@ -196,11 +203,7 @@ static inline __attribute__((always_inline)) void int4_rows(const ms_matrix *m, 
     for (int r = 0; r < R; r++) out[r] = finish(acc[r]);
 }
 
-void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    if (!__builtin_cpu_supports("avx512vnni")) {
-        ms_dot4_int4_avx2(m, row0, nrows, xp, out);
-        return;
-    }
+static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_int4x *x = (const ms_int4x *)xp;
     int64_t nb = m->cols / 32;
     const float *xs = ms_int4x_scales(xp, nb);
@@ -209,6 +212,13 @@ void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         return;
     }
     for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, x, xs, nb, out + r);
+}
+
+void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    if (__builtin_cpu_supports("avx512vnni"))
+        int4_vnni(m, row0, nrows, xp, out);
+    else
+        ms_dot4_int4_avx2(m, row0, nrows, xp, out);
 }
 
 /* q4_k against several tokens: the tile unpacked as for AVX2 (quant_int8_simd.h), then per token two
