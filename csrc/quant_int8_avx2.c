@@ -227,26 +227,43 @@ void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const f
     }
 }
 
+/* q4_k against several tokens (the tile unpacked once, quant_int8_simd.h): each unpacked vector is loaded
+ * once for the group's nt (1..4) tokens; the block epilogue runs for two tokens per register, one 128-bit
+ * lane each (mins times bsums, dmin * d(x) and d * d(x), the running min terms), from token vectors made
+ * once per group for all the rows. Every token's float operations are ms_dot4_q4_k_avx2's. */
+typedef struct {
+    __m256i bsums[2]; /* tokens 2g and 2g + 1: their 8 bsums in the low and high lane (zero beyond nt) */
+    __m256 d[2];      /* their d, likewise */
+} q4k_group;
 
-
+static _Thread_local q4k_unpacked *q4k_buf;
 static _Thread_local int64_t q4k_cap;
+static _Thread_local q4k_group *q4k_grp;
+static _Thread_local int64_t q4k_grp_cap;
 
-
-
-
-/* nt (1..4) tokens against the unpacked rows of a tile: each unpacked vector is loaded once for all nt
- * tokens; every token's arithmetic is exactly ms_dot4_q4_k_avx2's. */
 static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked *buf, int64_t nb, int nrows,
                                                              const char *xp, int64_t stride, int nt, float *out,
                                                              int64_t out_stride) {
+    const int ng = (nt + 1) / 2;
+    q4k_group *g = q4k_grp;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int h = 0; h < 2; h++) {
+            __m128i bs[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
+            __m128 d[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+            for (int l = 0; l < 2; l++) {
+                if (2 * h + l >= nt) break;
+                const ms_q8_kx *x = (const ms_q8_kx *)(xp + (2 * h + l) * stride) + b;
+                bs[l] = _mm_loadu_si128((const __m128i *)x->bsums);
+                d[l] = _mm_set1_ps(x->d);
+            }
+            g[b].bsums[h] = _mm256_setr_m128i(bs[0], bs[1]);
+            g[b].d[h] = _mm256_setr_m128(d[0], d[1]);
+        }
+    }
     for (int r = 0; r < nrows; r++) {
         const q4k_unpacked *u = &buf[r * nb];
-        __m256 f[4];
-        float fmin[4];
-        for (int i = 0; i < nt; i++) {
-            f[i] = _mm256_setzero_ps();
-            fmin[i] = 0.0f;
-        }
+        __m256 f[4], fmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int i = 0; i < nt; i++) f[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, u++) {
             __m256i acc[4];
             for (int i = 0; i < nt; i++) acc[i] = _mm256_setzero_si256();
@@ -260,27 +277,32 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
                     KEEP_IN_REGISTER(acc[i]);
                 }
             }
-            for (int i = 0; i < nt; i++) {
-                const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
-                __m128i ms = _mm_madd_epi16(u->mn, _mm_loadu_si128((const __m128i *)x->bsums));
-                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
-                ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
-                int32_t sm = _mm_cvtsi128_si32(ms);
-                float dd = u->d * x->d, dm = u->dmin * x->d;
-                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(dd), f[i]);
-                fmin[i] += dm * (float)sm;
+            const __m256i mins = _mm256_broadcastsi128_si256(u->mn);
+            const __m256 vd = _mm256_set1_ps(u->d), vdmin = _mm256_set1_ps(u->dmin);
+            for (int h = 0; h < ng; h++) {
+                __m256i ms = _mm256_madd_epi16(mins, g[b].bsums[h]);
+                ms = _mm256_add_epi32(ms, _mm256_shuffle_epi32(ms, 0x4e));
+                ms = _mm256_add_epi32(ms, _mm256_shuffle_epi32(ms, 0xb1)); /* sum(mn * bsums) per lane */
+                __m256 dm = _mm256_mul_ps(vdmin, g[b].d[h]);
+                fmin[h] = _mm256_add_ps(fmin[h], _mm256_mul_ps(dm, _mm256_cvtepi32_ps(ms)));
+                __m256 dd = _mm256_mul_ps(vd, g[b].d[h]);
+                for (int l = 0; l < 2 && 2 * h + l < nt; l++) {
+                    __m256 di = _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(4 * l));
+                    f[2 * h + l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[2 * h + l]), di, f[2 * h + l]);
+                }
             }
         }
-        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - fmin[i];
+        float fm[2][8];
+        for (int h = 0; h < ng; h++) _mm256_storeu_ps(fm[h], fmin[h]);
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - fm[i / 2][4 * (i % 2)];
     }
 }
-
-static _Thread_local q4k_unpacked *q4k_buf;
 
 void ms_gemm_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                        float *out, int64_t out_stride) {
     int64_t nb = m->cols / 256;
-    if (!grow((void **)&q4k_buf, &q4k_cap, nrows * nb, sizeof(q4k_unpacked))) {
+    if (!grow((void **)&q4k_buf, &q4k_cap, nrows * nb, sizeof(q4k_unpacked)) ||
+        !grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group))) {
         dot4_per_token(ms_dot4_q4_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
         return;
     }
