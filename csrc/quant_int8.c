@@ -6,7 +6,8 @@
  * Canonical order (what the SIMD kernels reproduce): a row keeps 8 float lanes; for every block, lane L
  * receives the exact integer sum of the products at positions 4L..4L+3 of each 32-element chunk (the lane
  * layout of maddubs + madd), converted to float and fused-multiply-added with the block's scale product;
- * the lanes are reduced as a fixed tree at the end, and a row's minimum terms (q4_k) are summed apart. */
+ * the lanes are reduced as a fixed tree at the end, and a row's minimum terms (q4_k) are summed apart.
+ * int4 and mxfp4 keep two sets of 8 lanes, for the even and the odd blocks, added before the tree. */
 #include <float.h>
 #include <math.h>
 #include <string.h>

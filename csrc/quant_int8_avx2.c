@@ -11,9 +11,6 @@
 #include "quant_int8.h"
 #include "quant_int8_simd.h"
 
-
-
-
 /* sum of signed a[i] * b[i] per 4 bytes into 8 int32 lanes (|a| <= 128, |b| <= 127: no int16 overflow) */
 static inline __m256i dot_i8_32(__m256i a, __m256i b) {
     __m256i ua = _mm256_sign_epi8(a, a);
@@ -38,15 +35,12 @@ void ms_dot4_q8_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     }
 }
 
-
 /* int16 index m of each 128-bit lane in all eight of its int16 slots (pshufb masks, m = 0..7) */
 static inline __m256i lane_word_mask(int m) { return _mm256_set1_epi16((short)((2 * m) | ((2 * m + 1) << 8))); }
 
 /* int16 m of each 128-bit lane of v in all eight int16 slots of that lane (m a constant: the mask is a
  * memory operand, not a register) */
 static inline __m256i pick_word(__m256i v, int m) { return _mm256_shuffle_epi8(v, lane_word_mask(m)); }
-
-
 
 void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
@@ -108,7 +102,6 @@ void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
         out[r] = reduce8(_mm256_add_ps(f0, f1));
     }
 }
-
 
 void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q6_kx *x = (const ms_q6_kx *)xp;
@@ -368,7 +361,6 @@ void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp) {
         for (int j = 0; j < 8; j++) b[i].bsums[j] = (int16_t)s[j];
     }
 }
-
 
 static _Thread_local q6k_unpacked *q6k_buf;
 static _Thread_local int64_t q6k_cap;

@@ -10,7 +10,6 @@
 #include "quant_int8.h"
 #include "quant_int8_simd.h"
 
-
 #define KEEP_IN_ZMM(v) __asm__("" : "+v"(v))
 
 /* Only the functions that use vpdpbusd are compiled for VNNI, so that the compiler cannot put VNNI

@@ -77,7 +77,7 @@ static inline int grow(void **buf, int64_t *cap, int64_t need, size_t size) {
 
 /* A gemm without memory for its buffers: the decode kernel token by token (the same numbers). */
 static inline void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t row0, int nrows, const char *xp,
-                           int64_t stride, int64_t T, float *out, int64_t out_stride) {
+                                  int64_t stride, int64_t T, float *out, int64_t out_stride) {
     for (int64_t t = 0; t < T; t++) {
         float tmp[4];
         dot4(m, row0, nrows, (const float *)(xp + t * stride), tmp);
