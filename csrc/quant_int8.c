@@ -187,11 +187,11 @@ void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
             amax = fmaxf(amax, fabsf(v[i]));
             finite &= fabsf(v[i]) <= FLT_MAX;
         }
-        memset(p0, 0, 32);
-        memset(p1, 0, 32);
-        memset(p2, 0, 32);
         memset(o.off + 8 * b, 0, 8 * sizeof(int32_t));
         if (!finite || amax == 0.0f) { /* zeros: all zero; inf/nan anywhere: the block's sums become nan */
+            memset(p0, 0, 32);
+            memset(p1, 0, 32);
+            memset(p2, 0, 32);
             o.d[b] = finite ? 0.0f : NAN;
             continue;
         }

@@ -47,11 +47,14 @@ typedef struct {
     int8_t q[32];   /* int8 activations in the nibble order of the weights: [0..15] the block's even
                      * columns, [16..31] the odd ones */
     int32_t s8[8];  /* 8 * (q[4L] + ... + q[4L+3]): lane L's share of the -8 in (nibble - 8) */
-} ms_int4x;
+} ms_int4x;         /* 68 bytes per 32 activations */
+
 /* A token's int4 activations: nb ms_int4x records, then the nb scales d again as one array (for
  * 512-bit loads of 16 at a time): MS_INT4X_BYTES per block. */
 #define MS_INT4X_BYTES ((int)sizeof(ms_int4x) + 4)
-static inline float *ms_int4x_scales(const float *xp, int64_t nb) { return (float *)((char *)xp + sizeof(ms_int4x) * nb); }         /* 68 bytes per 32 activations */
+static inline float *ms_int4x_scales(const float *xp, int64_t nb) {
+    return (float *)((char *)xp + sizeof(ms_int4x) * nb);
+}
 
 void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]);
 float ms_lanes8_reduce(const float f[8]); /* (f0+f4 + f2+f6) + (f1+f5 + f3+f7) */

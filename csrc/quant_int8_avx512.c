@@ -10,8 +10,6 @@
 #include "quant_int8.h"
 #include "quant_int8_simd.h"
 
-#define KEEP_IN_ZMM(v) __asm__("" : "+v"(v))
-
 /* Only the functions that use vpdpbusd are compiled for VNNI, so that the compiler cannot put VNNI
  * instructions into the kernels an AVX-512 CPU without it runs. */
 #define VNNI __attribute__((target("avx512vnni")))
@@ -270,7 +268,7 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
                     const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
                     __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x->q + 64 * k));
                     acc[i] = _mm512_add_epi32(acc[i], _mm512_madd_epi16(p, sc));
-                    KEEP_IN_ZMM(acc[i]);
+                    KEEP_IN_REGISTER(acc[i]);
                 }
             }
             __m512i ms = _mm512_madd_epi16(_mm512_broadcast_i32x4(u->mn), g[b].bsums);
@@ -333,7 +331,7 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
                     __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x->k.q + 64 * k));
                     p = _mm512_sub_epi16(p, _mm512_loadu_si512(x->x32 + 32 * k));
                     acc[i] = _mm512_add_epi32(acc[i], _mm512_madd_epi16(p, sc));
-                    KEEP_IN_ZMM(acc[i]);
+                    KEEP_IN_REGISTER(acc[i]);
                 }
             }
             for (int i = 0; i < nt; i++) {
@@ -396,7 +394,7 @@ void ms_dot4_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
                     p = _mm512_sub_epi16(p, _mm512_loadu_si512(x32 + 16 * c));
                     __m512i sc = _mm512_permutexvar_epi16(pair[2 * h + k], scales);
                     acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
-                    KEEP_IN_ZMM(acc);
+                    KEEP_IN_REGISTER(acc);
                 }
             }
             __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
@@ -434,7 +432,7 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
                 __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(v, shift), m4);
                 __m512i p = _mm512_maddubs_epi16(nib, _mm512_loadu_si512(qx + 64 * k));
                 acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pair[k], scales)));
-                KEEP_IN_ZMM(acc);
+                KEEP_IN_REGISTER(acc);
             }
             __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
             f = q4k_epilogue(w, &x[b], mn, a, f, &fmin);

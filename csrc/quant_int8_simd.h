@@ -51,8 +51,9 @@ static inline void q4k_scales_mins(const uint8_t *s, __m128i *sc, __m128i *mn) {
 }
 
 /* The integer sums are exact in any order, and GCC regroups them into a tree whose partial products spill
- * to the stack; an empty asm on the running sum keeps each addition where it is written. */
-#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+ * to the stack; an empty asm on the running sum keeps each addition where it is written (any vector
+ * register: ymm or, in the AVX-512 kernels, zmm0-31). */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
 
 /* q4_k against several tokens: each weight block of the tile is unpacked once (nibbles split, scales
  * widened, super-scales converted) into a per-thread buffer, then every token runs over the unpacked
