@@ -4,6 +4,7 @@ from setuptools import Extension, setup
 
 SOURCES = [
     "csrc/module.c",
+    "csrc/attention.c",
     "csrc/io.c",
     "csrc/matmul.c",
     "csrc/threadpool.c",
@@ -22,6 +23,7 @@ setup(
             "moestream._C",
             sources=SOURCES,
             depends=[
+                "csrc/attention.h",
                 "csrc/io.h",
                 "csrc/quant.h",
                 "csrc/quant_int8.h",

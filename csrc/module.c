@@ -4,6 +4,7 @@
 
 #include <errno.h>
 
+#include "attention.h"
 #include "io.h"
 #include "matmul.h"
 
@@ -308,6 +309,84 @@ static PyObject *py_pread(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(r);
 }
 
+/* A float32 buffer argument: its length in floats must be n (n < 0: any whole number), 4-byte aligned. */
+static int check_f32(const Py_buffer *b, const char *name, long long n) {
+    if (b->len % (Py_ssize_t)sizeof(float) != 0 || (uintptr_t)b->buf % sizeof(float) != 0 ||
+        (n >= 0 && b->len != n * (Py_ssize_t)sizeof(float))) {
+        PyErr_Format(PyExc_ValueError, "gqa_decode: %s has %zd bytes, needs %lld aligned float32", name, b->len,
+                     n < 0 ? 0 : n);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_gqa_decode(PyObject *self, PyObject *args) {
+    (void)self;
+    enum { Q, K, V, KC, VC, COS, SIN, OUT, QN, KN, NBUF };
+    Py_buffer b[NBUF];
+    int held[NBUF] = {0};
+    PyObject *norm_obj[2];
+    ms_gqa_decode_args a;
+    long long pos, window;
+    int interleave, threads;
+    PyObject *ret = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*LiiiOOfy*y*pfLw*i", &b[Q], &b[K], &b[V], &b[KC], &b[VC], &pos, &a.H, &a.KV,
+                          &a.D, &norm_obj[0], &norm_obj[1], &a.eps, &b[COS], &b[SIN], &interleave, &a.scaling,
+                          &window, &b[OUT], &threads))
+        return NULL;
+    for (int i = Q; i <= OUT; i++) held[i] = 1;
+    for (int i = 0; i < 2; i++) {
+        if (norm_obj[i] == Py_None) continue;
+        if (PyObject_GetBuffer(norm_obj[i], &b[QN + i], PyBUF_SIMPLE) < 0) goto done;
+        held[QN + i] = 1;
+    }
+    if (a.H <= 0 || a.KV <= 0 || a.D <= 0 || a.H % a.KV != 0 || a.D % 2 != 0) {
+        PyErr_Format(PyExc_ValueError, "gqa_decode: %d heads, %d key/value heads, head dim %d do not add up", a.H,
+                     a.KV, a.D);
+        goto done;
+    }
+    long long hd = (long long)a.H * a.D, kvd = (long long)a.KV * a.D;
+    if (check_f32(&b[Q], "q", hd) || check_f32(&b[K], "k", kvd) || check_f32(&b[V], "v", kvd) ||
+        check_f32(&b[OUT], "out", hd) || check_f32(&b[COS], "cos", a.D / 2) || check_f32(&b[SIN], "sin", a.D / 2) ||
+        check_f32(&b[KC], "the key cache", -1) ||
+        check_f32(&b[VC], "the value cache", b[KC].len / (Py_ssize_t)sizeof(float)) ||
+        (held[QN] && check_f32(&b[QN], "q_norm", a.D)) || (held[KN] && check_f32(&b[KN], "k_norm", a.D)))
+        goto done;
+    a.cap = (long long)(b[KC].len / (Py_ssize_t)sizeof(float)) / kvd;
+    if (a.cap * kvd * (Py_ssize_t)sizeof(float) != b[KC].len || pos < 0 || pos >= a.cap || window < 0) {
+        PyErr_Format(PyExc_ValueError, "gqa_decode: position %lld (window %lld) in caches of %zd bytes", pos, window,
+                     b[KC].len);
+        goto done;
+    }
+    a.pos = pos;
+    a.window = window;
+    a.interleave = interleave;
+    a.q = b[Q].buf;
+    a.k = b[K].buf;
+    a.v = b[V].buf;
+    a.kcache = b[KC].buf;
+    a.vcache = b[VC].buf;
+    a.cos = b[COS].buf;
+    a.sin = b[SIN].buf;
+    a.out = b[OUT].buf;
+    a.q_norm = held[QN] ? b[QN].buf : NULL;
+    a.k_norm = held[KN] ? b[KN].buf : NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ms_gqa_decode(&a, threads);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    for (int i = 0; i < NBUF; i++)
+        if (held[i]) PyBuffer_Release(&b[i]);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"pread", py_pread, METH_VARARGS,
      "pread(fd, buffer, offset, n): read n bytes at offset into buffer (GIL released); returns bytes read"},
@@ -316,6 +395,9 @@ static PyMethodDef methods[] = {
     {"matmul_many", py_matmul_many, METH_VARARGS,
      "matmul_many([(fmt, w, scales, rows, cols, x, out), ...], threads): several products in one parallel pass"},
     {"dequant", py_dequant, METH_VARARGS, "dequant(fmt, w, scales, rows, cols, out, threads): W as f32"},
+    {"gqa_decode", py_gqa_decode, METH_VARARGS,
+     "gqa_decode(q, k, v, kcache, vcache, pos, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, "
+     "interleave, scaling, window, out, threads): one token's attention, its key and value written at pos"},
     {"memread", py_memread, METH_VARARGS, "memread(buffer, threads): read every byte (bandwidth baseline)"},
     {"get_isa", py_get_isa, METH_NOARGS, "the instruction set the kernels use"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): force scalar, avx2 or avx512"},

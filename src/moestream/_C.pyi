@@ -9,6 +9,27 @@ def matmul(
 ) -> None: ...
 def matmul_many(products: list[tuple[int, Buffer, Buffer | None, int, int, Buffer, Buffer]], threads: int) -> None: ...
 def dequant(fmt: int, w: Buffer, scales: Buffer | None, rows: int, cols: int, out: Buffer, threads: int) -> None: ...
+def gqa_decode(
+    q: Buffer,
+    k: Buffer,
+    v: Buffer,
+    kcache: Buffer,
+    vcache: Buffer,
+    pos: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_norm: Buffer | None,
+    k_norm: Buffer | None,
+    eps: float,
+    cos: Buffer,
+    sin: Buffer,
+    interleave: bool,
+    scaling: float,
+    window: int,
+    out: Buffer,
+    threads: int,
+) -> None: ...
 def memread(buf: Buffer, threads: int) -> float: ...
 def get_isa() -> str: ...
 def set_isa(name: str) -> None: ...

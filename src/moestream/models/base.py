@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import _C
 from ..config import RopeSpec
 from ..quant import Weight, matmul_many
 
@@ -181,11 +182,15 @@ class KVCache:
     v: np.ndarray
     length: int = 0
 
+    def reserve(self, n: int) -> None:
+        """Room for n positions."""
+        self.k = _grow(self.k, 1, n)
+        self.v = _grow(self.v, 1, n)
+
     def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """k, v [T, KV, D] -> all keys and values [KV, S, D]."""
         n = self.length + k.shape[0]
-        self.k = _grow(self.k, 1, n)
-        self.v = _grow(self.v, 1, n)
+        self.reserve(n)
         self.k[:, self.length : n] = k.transpose(1, 0, 2)
         self.v[:, self.length : n] = v.transpose(1, 0, 2)
         self.length = n
@@ -236,6 +241,8 @@ class GQAttention:
         pos0 = cache.length
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         q, k, v = linears(x, (self.q, self.k, self.v), ctx)
+        if T == 1:
+            return self.o(self._decode(q, k, v, cache, ctx), ctx)
         q = q.reshape(T, H, D)  # [T, H, D]
         k = k.reshape(T, KV, D)  # [T, KV, D]
         v = v.reshape(T, KV, D)  # [T, KV, D]
@@ -256,6 +263,40 @@ class GQAttention:
         p = softmax(scores).reshape(KV, rep * T, S)
         o = np.matmul(p, values).reshape(H, T, D).transpose(1, 0, 2).reshape(T, H * D)  # [T, H*D]
         return self.o(o, ctx)
+
+    def _decode(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, ctx: Ctx) -> np.ndarray:
+        """One token (q [1, H*D], k and v [1, KV*D]) -> attention output [1, H*D]: the norms, the rope, the
+        cache append and the attention in one C call. The new key and value get the bits the numpy steps
+        above give them; the attention products have the kernel's own fixed order."""
+        pos = cache.length
+        cache.reserve(pos + 1)
+        cos, sin = self.rope.cos_sin(pos, 1)  # [1, D/2] each
+        both = self.q_norm is not None and self.k_norm is not None
+        q_norm, k_norm = (self.q_norm, self.k_norm) if both else (None, None)
+        out = np.empty((1, self.heads * self.head_dim), np.float32)
+        _C.gqa_decode(
+            q,
+            k,
+            v,
+            cache.k,
+            cache.v,
+            pos,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            q_norm,
+            k_norm,
+            self.norm_eps,
+            cos[0],
+            sin[0],
+            self.rope.spec.interleave,
+            float(self.scaling),
+            self.sliding_window or 0,
+            out,
+            ctx.threads,
+        )
+        cache.length = pos + 1
+        return out
 
 
 @dataclass

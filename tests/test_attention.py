@@ -1,0 +1,152 @@
+"""The C decode attention (one new token against the key/value cache) against the numpy steps it
+replaces: the new key written to the cache has their bits, the output is softmax attention to float
+rounding, the sliding window is honoured, and the bits depend on neither the instruction set nor the
+thread count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moestream import _C
+from moestream.config import RopeSpec
+from moestream.models.base import Ctx, GQAttention, KVCache, Linear, Rope, rms_norm
+from moestream.quant import Weight
+
+
+def make_attention(H: int, KV: int, D: int, norms: bool, interleave: bool = False, window: int | None = None):
+    rng = np.random.default_rng(H * 1000 + D)
+    E = 48
+
+    def lin(rows: int, cols: int = E) -> Linear:
+        return Linear(Weight(rng.standard_normal((rows, cols)).astype(np.float32) / np.float32(7)))
+
+    rope = Rope(RopeSpec(theta=10000.0, dim=D, interleave=interleave))
+    qn = kn = None
+    if norms:
+        qn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+        kn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    attn = GQAttention(lin(H * D), lin(KV * D), lin(KV * D), lin(E, H * D), H, KV, D, rope, qn, kn, 1e-6, window)
+    return attn, rng
+
+
+def filled_cache(attn: GQAttention, rng: np.random.Generator, length: int) -> KVCache:
+    cache = attn.new_cache()
+    cache.reserve(length + 1)
+    cache.k[:, :length] = rng.standard_normal((attn.kv_heads, length, attn.head_dim))
+    cache.v[:, :length] = rng.standard_normal((attn.kv_heads, length, attn.head_dim))
+    cache.length = length
+    return cache
+
+
+def numpy_decode(attn: GQAttention, q, k, v, keys, values, pos):
+    """The numpy steps of GQAttention for one token at pos: (new key [KV, D], its value, output [H*D] in
+    float64). keys, values [KV, pos, D] are the cache before it."""
+    H, KV, D = attn.heads, attn.kv_heads, attn.head_dim
+    q, k = q.reshape(1, H, D), k.reshape(1, KV, D)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q = rms_norm(q, attn.q_norm, attn.norm_eps)
+        k = rms_norm(k, attn.k_norm, attn.norm_eps)
+    cos, sin = attn.rope.cos_sin(pos, 1)
+    q, k = attn.rope.apply(q, cos, sin)[0], attn.rope.apply(k, cos, sin)[0]  # [H, D], [KV, D]
+    K = np.concatenate([keys, k[:, None]], axis=1).astype(np.float64)  # [KV, S, D]
+    V = np.concatenate([values, v.reshape(KV, 1, D)], axis=1).astype(np.float64)
+    lo = 0 if attn.sliding_window is None else max(0, pos - attn.sliding_window + 1)
+    out = np.empty((H, D))
+    for h in range(H):
+        s = K[h // (H // KV), lo:] @ q[h].astype(np.float64) * float(attn.scaling)
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ V[h // (H // KV), lo:]
+    return k, v.reshape(KV, D), out.reshape(-1)
+
+
+@pytest.mark.parametrize(
+    "H,KV,D,norms,interleave,window",
+    [
+        (8, 2, 128, True, False, None),
+        (4, 4, 64, False, True, None),
+        (6, 3, 80, True, False, 5),
+        (2, 1, 36, True, True, 1),
+    ],
+)
+def test_decode_matches_numpy_steps(H, KV, D, norms, interleave, window):
+    attn, rng = make_attention(H, KV, D, norms, interleave, window)
+    pos = 37
+    cache = filled_cache(attn, rng, pos)
+    keys, values = cache.k[:, :pos].copy(), cache.v[:, :pos].copy()
+    x = rng.standard_normal((1, 48)).astype(np.float32)
+    q, k, v = attn.q(x, Ctx()), attn.k(x, Ctx()), attn.v(x, Ctx())
+    out = attn._decode(q, k, v, cache, Ctx(threads=2))
+    new_k, new_v, ref = numpy_decode(attn, q, k, v, keys, values, pos)
+    assert cache.length == pos + 1
+    assert cache.k[:, pos].tobytes() == new_k.tobytes()  # the bits of the numpy norm and rope
+    assert cache.v[:, pos].tobytes() == new_v.tobytes()
+    assert np.array_equal(cache.k[:, :pos], keys)  # nothing else written
+    assert np.abs(out[0] - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
+def test_window_attends_only_to_the_last_positions():
+    attn, rng = make_attention(4, 2, 64, True, window=3)
+    cache = filled_cache(attn, rng, 20)
+    x = rng.standard_normal((1, 48)).astype(np.float32)
+    q, k, v = attn.q(x, Ctx()), attn.k(x, Ctx()), attn.v(x, Ctx())
+    before = attn._decode(q, k, v, cache, Ctx())
+    cache.length = 20
+    cache.k[:, :17] = 1e3  # positions out of the window: changing them changes nothing
+    cache.v[:, :17] = -1e3
+    assert attn._decode(q, k, v, cache, Ctx()).tobytes() == before.tobytes()
+
+
+@pytest.mark.parametrize("D", [36, 64, 80, 128, 256])
+def test_same_bits_on_every_isa_and_thread_count(D):
+    attn, rng = make_attention(8, 2, D, True)
+    x = rng.standard_normal((1, 48)).astype(np.float32)
+    q, k, v = attn.q(x, Ctx()), attn.k(x, Ctx()), attn.v(x, Ctx())
+    results = {}
+    before = _C.get_isa()
+    try:
+        for isa in _C.supported_isas():
+            _C.set_isa(isa)
+            for threads in (1, 2):
+                cache = filled_cache(attn, np.random.default_rng(1), 300)  # enough work for two threads
+                results[isa, threads] = attn._decode(q, k, v, cache, Ctx(threads=threads)).tobytes()
+    finally:
+        _C.set_isa(before)
+    assert len(set(results.values())) == 1, list(results)
+
+
+def test_incremental_decode_matches_prefill():
+    """Token by token through the C path == all tokens at once through the numpy path, to rounding."""
+    attn, rng = make_attention(8, 4, 64, True)
+    x = rng.standard_normal((9, 48)).astype(np.float32)
+    whole = attn(x, attn.new_cache(), Ctx())
+    cache = attn.new_cache()
+    steps = np.concatenate([attn(x[t : t + 1], cache, Ctx()) for t in range(9)])
+    assert np.abs(steps - whole).max() <= 1e-5 * np.abs(whole).max()
+
+
+def test_bad_arguments_raise():
+    H, KV, D = 4, 2, 8
+    q, k = np.zeros(H * D, np.float32), np.zeros(KV * D, np.float32)
+    kc, vc = np.zeros((KV, 4, D), np.float32), np.zeros((KV, 4, D), np.float32)
+    cs, out = np.zeros(D // 2, np.float32), np.zeros(H * D, np.float32)
+
+    def call(**change):
+        a = dict(q=q, k=k, v=k, kc=kc, vc=vc, pos=0, H=H, KV=KV, D=D, cos=cs, out=out)
+        a.update(change)
+        _C.gqa_decode(a["q"], a["k"], a["v"], a["kc"], a["vc"], a["pos"], a["H"], a["KV"], a["D"], None, None,
+                      1e-6, a["cos"], a["cos"], False, 1.0, 0, a["out"], 1)  # fmt: skip
+
+    call()
+    for change in (
+        dict(q=q[:-1]),
+        dict(KV=3),
+        dict(D=7),
+        dict(pos=4),
+        dict(pos=-1),
+        dict(vc=vc[:, :3].copy()),
+        dict(cos=cs[:-1]),
+        dict(out=np.zeros(H * D, np.float64)),
+    ):
+        with pytest.raises(ValueError):
+            call(**change)
