@@ -81,11 +81,35 @@ static void release_product(product_buffers *b) {
 
 /* (fmt, w, scales, rows, cols, x, out) -> p with every size checked. 0 with the buffers held (release
  * them with release_product), or -1 with a Python exception set and nothing held. */
+/* A C-contiguous float32 buffer (checked here, so that callers need not check dtypes): 0, or -1 with
+ * an exception set and nothing held. */
+static int get_f32(PyObject *obj, Py_buffer *b, int writable, const char *name) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    const char *f = b->format ? b->format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+    if (strcmp(f, "f") != 0 || b->itemsize != 4) {
+        PyErr_Format(PyExc_ValueError, "%s must be float32, not format '%s'", name, b->format ? b->format : "B");
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
 static int parse_product(PyObject *args, ms_product *p, product_buffers *b) {
     int fmt;
     long long rows, cols;
-    PyObject *scales_obj;
-    if (!PyArg_ParseTuple(args, "iy*OLLy*w*", &fmt, &b->w, &scales_obj, &rows, &cols, &b->x, &b->out)) return -1;
+    PyObject *scales_obj, *x_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "iy*OLLOO", &fmt, &b->w, &scales_obj, &rows, &cols, &x_obj, &out_obj)) return -1;
+    if (get_f32(x_obj, &b->x, 0, "x") < 0) {
+        PyBuffer_Release(&b->w);
+        return -1;
+    }
+    if (get_f32(out_obj, &b->out, 1, "out") < 0) {
+        PyBuffer_Release(&b->w);
+        PyBuffer_Release(&b->x);
+        return -1;
+    }
     b->has_scales = scales_obj != Py_None;
     if (b->has_scales && PyObject_GetBuffer(scales_obj, &b->s, PyBUF_SIMPLE) < 0) {
         b->has_scales = 0;

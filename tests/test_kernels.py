@@ -121,8 +121,14 @@ def test_matmul_many_refuses_bad_products():
     x = np.zeros((1, 64), np.float32)
     with pytest.raises(ValueError, match="out has"):
         matmul_many([(w, x, np.zeros((1, 8), np.float32)), (w, x, np.zeros((2, 8), np.float32))])
-    with pytest.raises(ValueError, match="C-contiguous float32"):
+    with pytest.raises(ValueError, match="x must be float32"):
         matmul_many([(w, x.astype(np.float64), np.zeros((1, 8), np.float32))])
+    with pytest.raises(ValueError, match="out must be float32"):
+        matmul_many([(w, x, np.zeros((1, 8), np.int32))])
+    with pytest.raises(ValueError, match="contiguous"):
+        matmul_many([(w, np.zeros((1, 128), np.float32)[:, ::2], np.zeros((1, 8), np.float32))])
+    with pytest.raises((ValueError, TypeError)):  # read-only out
+        matmul_many([(w, x, np.frombuffer(bytes(32), np.float32).reshape(1, 8))])
     with pytest.raises(TypeError, match="tuple"):
         _C.matmul_many([[w.fmt.id, w.data, None, 8, 64, x, np.zeros((1, 8), np.float32)]], 1)
     matmul_many([], 2)  # nothing to do

@@ -432,6 +432,25 @@ class DenseMLP:
         return glu_many([(self, x)], ctx)[0]
 
 
+def glu_one_x(mlps: list[Any], x: np.ndarray, ctx: Ctx) -> np.ndarray:
+    """[mlp(x) for mlp in mlps] as one array [n, out] for a single token x [1, E] (decode): glu_many's
+    passes and bits, without its bookkeeping for batches of different sizes."""
+    first = mlps[0]
+    if any(m.act is not first.act or m.gate.rows != first.gate.rows or m.down.rows != first.down.rows for m in mlps):
+        return np.concatenate(glu_many([(m, x) for m in mlps], ctx))
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, inner = len(mlps), first.gate.rows
+    g = np.empty((n, inner), np.float32)  # [n, I]
+    u = np.empty((n, inner), np.float32)
+    matmul_many(
+        [p for i, m in enumerate(mlps) for p in ((m.gate, x, g[i : i + 1]), (m.up, x, u[i : i + 1]))], ctx.threads
+    )
+    h = first.act(g, u)  # [n, I]
+    out = np.empty((n, first.down.rows), np.float32)  # [n, out]
+    matmul_many([(m.down, h[i : i + 1], out[i : i + 1]) for i, m in enumerate(mlps)], ctx.threads)
+    return out
+
+
 def glu_many(batch: list[tuple[DenseMLP | Expert, np.ndarray]], ctx: Ctx) -> list[np.ndarray]:
     """[mlp(x) for mlp, x in batch]: the gate and up products of all of them in one pass of the kernels,
     the activation over all of them at once, then the down products in one pass. Elementwise steps and
@@ -481,7 +500,16 @@ class SoftmaxRouter:
         self.gate, self.top_k, self.renormalize = gate, top_k, renormalize
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
-        probs = softmax(self.gate.matmul(x, ctx.threads))  # [T, n_experts]
+        logits = self.gate.matmul(x, ctx.threads)  # [T, n_experts]
+        if logits.shape[0] == 1:  # one token: the same operations on the row, without the batch machinery
+            e = np.exp(logits[0] - logits[0].max())
+            p = e / e.sum()
+            i = np.argsort(-p, kind="stable")[: self.top_k]
+            w1 = p[i]
+            if self.renormalize:
+                w1 = w1 / w1.sum()
+            return i[None], w1.astype(np.float32)[None]
+        probs = softmax(logits)
         idx = topk_desc(probs, self.top_k)
         w = np.take_along_axis(probs, idx, axis=-1)
         if self.renormalize:
@@ -560,20 +588,23 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
     set (runtime/expert_cache.py) that serves them in groups through fetch(); either way every expert
     computes from the same bytes, so the result is the same."""
     T, k = idx.shape
-    ids = [int(e) for e in np.unique(idx)]
+    ids = sorted({int(e) for e in idx.ravel()})
     groups = experts.fetch(ids) if hasattr(experts, "fetch") else [[(e, experts[e]) for e in ids]]
     if T == 1:  # decode: each chosen expert once, at its slot in the top-k order, all on the one x
         slot_of = {int(e): j for j, e in enumerate(idx[0])}
-        by_slot: list[np.ndarray | None] = [None] * k  # by_slot[j] = w[0, j] * expert_{idx[0, j]}(x), [1, out]
+        by_slot: np.ndarray | None = None  # [k, out]: row j = expert_{idx[0, j]}(x)
+        served = 0
         for group in groups:
-            ys = glu_many([(expert, x) for _, expert in group], ctx)  # x prepared once for all of them
-            for (e, _), y in zip(group, ys, strict=True):
-                by_slot[slot_of[e]] = y * w[0, slot_of[e]]
-        done = [y for y in by_slot if y is not None]
-        assert len(done) == k, "the expert set did not serve every chosen expert"
-        out = done[0].copy()
-        for y in done[1:]:
-            out += y
+            y = glu_one_x([expert for _, expert in group], x, ctx)  # [n, out]; x prepared once for all
+            if by_slot is None:
+                by_slot = np.empty((k, y.shape[1]), np.float32)
+            by_slot[[slot_of[e] for e, _ in group]] = y
+            served += len(group)
+        assert by_slot is not None and served == k, "the expert set did not serve every chosen expert"
+        by_slot *= w[0][:, None]
+        out = by_slot[:1].copy()  # [1, out], summed in top-k order
+        for j in range(1, k):
+            out += by_slot[j]
         return out
     contrib: np.ndarray | None = None  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
     where: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # expert -> (tokens, their top-k slots)

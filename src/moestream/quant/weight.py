@@ -150,10 +150,8 @@ def matmul_many(products: Sequence[tuple[Weight, np.ndarray, np.ndarray]], threa
     """out = x @ W.T for each (W, x [T, cols] f32, out [T, rows] f32 C-contiguous) in one parallel pass of the
     kernels: one hand-off to the threads instead of one per product, and the activations prepared once for
     the products that share x. Each out holds the same bits as W.matmul(x)."""
-    args = []
-    for w, x, out in products:
-        w._ready()
-        if x.dtype != np.float32 or out.dtype != np.float32 or not (x.flags.c_contiguous and out.flags.c_contiguous):
-            raise ValueError("matmul_many takes C-contiguous float32 x and out")
-        args.append((w.fmt.id, w.data, w.scales, w.rows, w.cols, x, out))
-    _C.matmul_many(args, threads)
+    for w, _, _ in products:
+        if w._validate is not None:
+            w._ready()
+    # the kernel checks that x and out are C-contiguous float32 and that every size adds up
+    _C.matmul_many([(w.fmt.id, w.data, w.scales, w.rows, w.cols, x, out) for w, x, out in products], threads)
