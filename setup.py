@@ -5,6 +5,7 @@ from setuptools import Extension, setup
 SOURCES = [
     "csrc/module.c",
     "csrc/attention.c",
+    "csrc/norm.c",
     "csrc/io.c",
     "csrc/matmul.c",
     "csrc/threadpool.c",
@@ -24,6 +25,7 @@ setup(
             sources=SOURCES,
             depends=[
                 "csrc/attention.h",
+                "csrc/norm.h",
                 "csrc/io.h",
                 "csrc/quant.h",
                 "csrc/quant_int8.h",

@@ -10,43 +10,17 @@
 #include <string.h>
 
 #include "matmul.h"
+#include "norm.h"
 #include "threadpool.h"
 
 #define LANES 16
 
-/* numpy's pairwise float32 sum (numpy/_core/src/umath/loops_utils.h.src), so that the norm below has
- * the bits of models/base.py's rms_norm: up to 8 values in a row, up to 128 in eight interleaved
- * partial sums, longer halves recursively. */
-static float pairwise_sum(const float *a, int64_t n) {
-    if (n < 8) {
-        float r = 0.0f;
-        for (int64_t i = 0; i < n; i++) r += a[i];
-        return r;
-    }
-    if (n <= 128) {
-        float r[8];
-        for (int j = 0; j < 8; j++) r[j] = a[j];
-        int64_t i = 8;
-        for (; i < n - n % 8; i += 8)
-            for (int j = 0; j < 8; j++) r[j] += a[i + j];
-        float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        for (; i < n; i++) res += a[i];
-        return res;
-    }
-    int64_t n2 = n / 2;
-    n2 -= n2 % 8;
-    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
-}
-
 /* out [D] = rope(rms_norm(x) * w) (w NULL: rope(x)); sq is [D] scratch. */
 static void norm_rope(const float *x, const ms_gqa_decode_args *a, const float *w, float *sq, float *out) {
-    const int D = a->D, half = a->D / 2;
+    const int half = a->D / 2;
     const float *src = x;
     if (w != NULL) {
-        for (int i = 0; i < D; i++) sq[i] = x[i] * x[i];
-        float var = pairwise_sum(sq, D) / (float)D;
-        float r = 1.0f / sqrtf(var + a->eps);
-        for (int i = 0; i < D; i++) sq[i] = w[i] * (x[i] * r);
+        ms_rms_norm_row(x, w, a->D, a->eps, sq, sq); /* in place: each element is read before written */
         src = sq;
     }
     const int step = a->interleave ? 2 : 1, second = a->interleave ? 1 : half;

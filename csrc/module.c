@@ -7,6 +7,7 @@
 #include "attention.h"
 #include "io.h"
 #include "matmul.h"
+#include "norm.h"
 
 static const char *isa_names[MS_NUM_ISAS] = {"scalar", "avx2", "avx512"};
 
@@ -411,6 +412,43 @@ done:
     return ret;
 }
 
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *x_obj, *w_obj, *out_obj;
+    float eps;
+    if (!PyArg_ParseTuple(args, "OOfO", &x_obj, &w_obj, &eps, &out_obj)) return NULL;
+    Py_buffer x, w, out;
+    if (get_f32(x_obj, &x, 0, "x") < 0) return NULL;
+    if (get_f32(w_obj, &w, 0, "w") < 0) {
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (get_f32(out_obj, &out, 1, "out") < 0) goto release_xw;
+    long long n = (long long)(w.len / 4), rows = n ? (long long)(x.len / 4) / n : 0;
+    if (n == 0 || rows * n * 4 != x.len || out.len != x.len) {
+        PyErr_Format(PyExc_ValueError, "rms_norm: x of %zd bytes, w of %zd, out of %zd do not add up", x.len, w.len,
+                     out.len);
+        goto release_all;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ms_rms_norm(x.buf, w.buf, rows, n, eps, out.buf);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_NoMemory();
+        goto release_all;
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+release_all:
+    PyBuffer_Release(&out);
+release_xw:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"pread", py_pread, METH_VARARGS,
      "pread(fd, buffer, offset, n): read n bytes at offset into buffer (GIL released); returns bytes read"},
@@ -422,6 +460,8 @@ static PyMethodDef methods[] = {
     {"gqa_decode", py_gqa_decode, METH_VARARGS,
      "gqa_decode(q, k, v, kcache, vcache, pos, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, "
      "interleave, scaling, window, out, threads): one token's attention, its key and value written at pos"},
+    {"rms_norm", py_rms_norm, METH_VARARGS,
+     "rms_norm(x, w, eps, out): out = w * x / sqrt(mean(x^2) + eps) per row of len(w), numpy's float32 bits"},
     {"memread", py_memread, METH_VARARGS, "memread(buffer, threads): read every byte (bandwidth baseline)"},
     {"get_isa", py_get_isa, METH_NOARGS, "the instruction set the kernels use"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): force scalar, avx2 or avx512"},

@@ -1,7 +1,7 @@
-"""The C decode attention (one new token against the key/value cache) against the numpy steps it
-replaces: the new key written to the cache has their bits, the output is softmax attention to float
-rounding, the sliding window is honoured, and the bits depend on neither the instruction set nor the
-thread count."""
+"""The C pieces of the decode step against the numpy steps they replace. RMSNorm: numpy's float32 bits.
+Decode attention (one new token against the key/value cache): the new key written to the cache has the
+numpy steps' bits, the output is softmax attention to float rounding, the sliding window is honoured,
+and the bits depend on neither the instruction set nor the thread count."""
 
 from __future__ import annotations
 
@@ -12,6 +12,30 @@ from moestream import _C
 from moestream.config import RopeSpec
 from moestream.models.base import Ctx, GQAttention, KVCache, Linear, Rope, rms_norm
 from moestream.quant import Weight
+
+
+def numpy_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """The float32 numpy expression the C norm reproduces."""
+    var = np.add.reduce(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    var = var / np.float32(x.shape[-1])
+    return (w * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))).astype(np.float32, copy=False)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 127, 128, 129, 200, 256, 1000, 2048, 7168])
+def test_rms_norm_has_the_numpy_bits(n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((5, n)) * np.exp(3 * rng.standard_normal((5, 1)))).astype(np.float32)
+    x[3] = 0  # a zero row: eps alone
+    w = (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)
+    for eps in (1e-6, 1e-5):
+        assert rms_norm(x, w, eps).tobytes() == numpy_rms_norm(x, w, eps).tobytes()
+        assert rms_norm(x[1], w, eps).tobytes() == numpy_rms_norm(x[1], w, eps).tobytes()
+    xf = np.asfortranarray(x)  # not C-contiguous: the numpy expression itself
+    assert rms_norm(xf, w, 1e-6).tobytes() == numpy_rms_norm(xf, w, 1e-6).tobytes()
+    f64 = x.astype(np.float64)  # not float32: the numpy expression itself
+    assert rms_norm(f64, w, 1e-6).dtype == np.float32
+    with pytest.raises(ValueError):
+        _C.rms_norm(x, w[:-1] if n > 1 else np.zeros(2, np.float32), 1e-6, np.empty_like(x))
 
 
 def make_attention(H: int, KV: int, D: int, norms: bool, interleave: bool = False, window: int | None = None):
@@ -45,8 +69,8 @@ def numpy_decode(attn: GQAttention, q, k, v, keys, values, pos):
     H, KV, D = attn.heads, attn.kv_heads, attn.head_dim
     q, k = q.reshape(1, H, D), k.reshape(1, KV, D)
     if attn.q_norm is not None and attn.k_norm is not None:
-        q = rms_norm(q, attn.q_norm, attn.norm_eps)
-        k = rms_norm(k, attn.k_norm, attn.norm_eps)
+        q = numpy_rms_norm(q, attn.q_norm, attn.norm_eps)
+        k = numpy_rms_norm(k, attn.k_norm, attn.norm_eps)
     cos, sin = attn.rope.cos_sin(pos, 1)
     q, k = attn.rope.apply(q, cos, sin)[0], attn.rope.apply(k, cos, sin)[0]  # [H, D], [KV, D]
     K = np.concatenate([keys, k[:, None]], axis=1).astype(np.float64)  # [KV, S, D]
