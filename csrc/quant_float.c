@@ -162,11 +162,6 @@ void ms_dot4_fp8_scalar(const ms_matrix *m, int64_t row0, int nrows, const float
      {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks}, {NULL, NULL, NULL}}
 
 /* Integer kernels; the AVX-512 slot uses the AVX2 kernel until a 512-bit one exists. */
-#define INT8_ROW(NAME, BLOCK, BYTES, PREP)                                                   \
-    {#NAME, BLOCK, BYTES,                                                                    \
-     {ms_dot4_##NAME##_scalar, ms_dot4_##NAME##_avx2, ms_dot4_##NAME##_avx2},                \
-     {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks}, {PREP, PREP##_avx2, PREP##_avx2}}
-
 const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_F32] = ROW(f32, 1, 4, NULL),
     [MS_BF16] = ROW(bf16, 1, 2, ms_prep_x_bf16_avx2),
@@ -176,7 +171,10 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
                   {ms_dot4_mxfp4_int_scalar, ms_dot4_mxfp4_int_avx2, ms_dot4_mxfp4_int_avx512},
                   {ms_dequant_mxfp4_scalar, ms_dequant_mxfp4_avx2, ms_dequant_mxfp4_avx512},
                   {ms_prep_x_mxfp4, ms_prep_x_mxfp4_avx2, ms_prep_x_mxfp4_avx2}, MS_MXFP4X_BYTES},
-    [MS_Q8_0] = INT8_ROW(q8_0, 32, 34, ms_prep_x_q8_0),
+    [MS_Q8_0] = {"q8_0", 32, 34,
+                 {ms_dot4_q8_0_scalar, ms_dot4_q8_0_avx2, ms_dot4_q8_0_avx512},
+                 {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},
+                 {ms_prep_x_q8_0, ms_prep_x_q8_0_avx2, ms_prep_x_q8_0_avx2}},
     [MS_Q4_K] = {"q4_k", 256, 144,
                  {ms_dot4_q4_k_scalar, ms_dot4_q4_k_avx2, ms_dot4_q4_k_avx512},
                  {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},

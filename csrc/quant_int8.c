@@ -7,7 +7,8 @@
  * receives the exact integer sum of the products at positions 4L..4L+3 of each 32-element chunk (the lane
  * layout of maddubs + madd), converted to float and fused-multiply-added with the block's scale product;
  * the lanes are reduced as a fixed tree at the end, and a row's minimum terms (q4_k) are summed apart.
- * int4 and mxfp4 keep two sets of 8 lanes, for the even and the odd blocks, added before the tree. */
+ * q8_0, int4 and mxfp4 keep two sets of 8 lanes, for the even and the odd blocks, added before the tree
+ * (two chains of fused multiply-adds instead of one; two blocks fill a 512-bit register). */
 #include <float.h>
 #include <math.h>
 #include <string.h>
@@ -72,16 +73,17 @@ void ms_dot4_q8_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
     int64_t nb = m->cols / 32;
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f[8] = {0};
+        float acc[16] = {0}, f[8];
         for (int64_t b = 0; b < nb; b++, w += 34) {
             const int8_t *q = (const int8_t *)(w + 2);
             float dd = h2f(w) * x[b].d;
             for (int L = 0; L < 8; L++) {
                 int32_t s = 0;
                 for (int i = 4 * L; i < 4 * L + 4; i++) s += (int32_t)q[i] * x[b].q[i];
-                f[L] = fmaf((float)s, dd, f[L]);
+                acc[8 * (b & 1) + L] = fmaf((float)s, dd, acc[8 * (b & 1) + L]);
             }
         }
+        for (int L = 0; L < 8; L++) f[L] = acc[L] + acc[8 + L];
         out[r] = ms_lanes8_reduce(f);
     }
 }

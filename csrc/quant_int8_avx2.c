@@ -18,20 +18,27 @@ static inline __m256i dot_i8_32(__m256i a, __m256i b) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(ua, sb), _mm256_set1_epi16(1));
 }
 
+/* one q8_0 block's lane sums times its scale product, added to f */
+static inline __m256 q8_0_block(const uint8_t *w, const ms_q8_0x *x, __m256 f) {
+    __m256i qw = _mm256_loadu_si256((const __m256i *)(w + 2));
+    __m256i qx = _mm256_loadu_si256((const __m256i *)x->q);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_i8_32(qw, qx)), _mm256_set1_ps(h2f(w) * x->d), f);
+}
+
 void ms_dot4_q8_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_0x *x = (const ms_q8_0x *)xp;
     int64_t nb = m->cols / 32;
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        __m256 f = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++, w += 34) {
-            if ((b & 1) == 0) prefetch_ahead(w, 4 * m->row_bytes, 64);
-            __m256i qw = _mm256_loadu_si256((const __m256i *)(w + 2));
-            __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
-            __m256 s = _mm256_cvtepi32_ps(dot_i8_32(qw, qx));
-            f = _mm256_fmadd_ps(s, _mm256_set1_ps(h2f(w) * x[b].d), f);
+        __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2, w += 68) {
+            prefetch_ahead(w, 4 * m->row_bytes, 68);
+            even = q8_0_block(w, &x[b], even);
+            odd = q8_0_block(w + 34, &x[b + 1], odd);
         }
-        out[r] = reduce8(f);
+        if (b < nb) even = q8_0_block(w, &x[b], even);
+        out[r] = reduce8(_mm256_add_ps(even, odd));
     }
 }
 

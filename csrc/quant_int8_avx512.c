@@ -219,6 +219,46 @@ void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         ms_dot4_int4_avx2(m, row0, nrows, xp, out);
 }
 
+/* q8_0: a block pair's 64 weight bytes against the pair's activations, |w| (unsigned) times x with w's
+ * sign, four products a lane by vpdpbusd (the lanes of maddubs + madd in the AVX2 kernel); the even block
+ * in the low half, the odd in the high half, one fused multiply-add for both. Without VNNI the AVX2
+ * kernel runs. */
+static inline __attribute__((always_inline)) VNNI __m512i q8_dot(__m512i w, __m512i x) {
+    __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x); /* x * sign(w) */
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), sx);
+}
+
+static VNNI void q8_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_0x *x = (const ms_q8_0x *)xp;
+    int64_t nb = m->cols / 32;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        __m512 acc = _mm512_setzero_ps();
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2, w += 68) {
+            prefetch_ahead(w, 4 * m->row_bytes, 68);
+            __m512i s = q8_dot(pair_of(w + 2, w + 36), pair_of(x[b].q, x[b + 1].q));
+            __m512 dd = _mm512_mask_broadcastss_ps(_mm512_set1_ps(h2f(w) * x[b].d), (__mmask16)0xFF00,
+                                                   _mm_set_ss(h2f(w + 34) * x[b + 1].d));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc);
+        }
+        if (b < nb) { /* the last block of an odd count: an even block, the low half */
+            __m512i wq = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2)));
+            __m512i xq = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x[b].q));
+            __m512 s = _mm512_cvtepi32_ps(q8_dot(wq, xq));
+            acc = _mm512_mask3_fmadd_ps(s, _mm512_set1_ps(h2f(w) * x[b].d), acc, (__mmask16)0x00FF);
+        }
+        out[r] = finish(acc);
+    }
+}
+
+void ms_dot4_q8_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    if (__builtin_cpu_supports("avx512vnni"))
+        q8_0_vnni(m, row0, nrows, xp, out);
+    else
+        ms_dot4_q8_0_avx2(m, row0, nrows, xp, out);
+}
+
 /* q4_k against several tokens: the tile unpacked as for AVX2 (quant_int8_simd.h), then per token two
  * sub-blocks per register: maddubs, and madd by the pair's scales (sub-block 2k's in the low half, 2k+1's in
  * the high half); the halves are added at the end of the block, exact integers. The block epilogue runs for
