@@ -203,6 +203,7 @@ def test_dequantize_rows_matches_reference(fmt):
     rows = np.array([0, 127, 128, 299, 5])
     ref = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols)[rows]
     assert w.dequantize_rows(rows).tobytes() == ref.tobytes()
+    assert w.dequantize_rows(np.array([], np.int64)).shape == (0, w.cols)
 
 
 def test_mxfp4_reference_values():

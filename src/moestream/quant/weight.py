@@ -129,13 +129,15 @@ class Weight:
         return out
 
     def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
-        """Selected rows as f32 (embedding lookups), by the numpy reference."""
+        """Selected rows as f32 (embedding lookups): the rows' bytes gathered and dequantized by the C
+        kernels (bit for bit the numpy reference), without the whole-tensor check of a first product."""
         rows = np.asarray(rows, dtype=np.int64)
-        if self.fmt.name in ("mxfp4", "int4"):
-            assert self.scales is not None
-            return dequantize_reference(self.fmt, self.data[rows], self.scales[rows], len(rows), self.cols)
-        if self.fmt.name in BLOCK_FORMATS:
-            return dequantize_reference(self.fmt, self.data[rows], None, len(rows), self.cols)
+        if self.fmt.name in ("mxfp4", "int4") or self.fmt.name in BLOCK_FORMATS:
+            out = np.empty((len(rows), self.cols), np.float32)
+            if len(rows):
+                scales = None if self.scales is None else np.ascontiguousarray(self.scales[rows])
+                _C.dequant(self.fmt.id, np.ascontiguousarray(self.data[rows]), scales, len(rows), self.cols, out, 1)
+            return out
         if self.fmt.name == "fp8":
             assert self.scales is not None
             s = np.repeat(self.scales[rows // FP8_BLOCK], FP8_BLOCK, axis=1)[:, : self.cols]  # [n, cols]
