@@ -6,7 +6,9 @@
  * Canonical order (what the SIMD kernels reproduce): a row keeps 8 float lanes; for every block, lane L
  * receives the exact integer sum of the products at positions 4L..4L+3 of each 32-element chunk (the lane
  * layout of maddubs + madd), converted to float and fused-multiply-added with the block's scale product;
- * the lanes are reduced as a fixed tree at the end, and a row's minimum terms (q4_k) are summed apart.
+ * the lanes are reduced as a fixed tree at the end. q4_k's minimum terms are summed apart in 4 lanes, lane l
+ * taking dmin * d(x) times the exact mins * bsums of sub-blocks 2l and 2l + 1 (the lanes of madd) by a
+ * fused multiply-add per block, reduced as (l0 + l1) + (l2 + l3) and taken off the row's sum.
  * q8_0, int4 and mxfp4 keep two sets of 8 lanes, for the even and the odd blocks, added before the tree
  * (two chains of fused multiply-adds instead of one; two blocks fill a 512-bit register). */
 #include <float.h>
@@ -102,29 +104,31 @@ void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
+float ms_q4_k_min_reduce(const float fmin[4]) { return (fmin[0] + fmin[1]) + (fmin[2] + fmin[3]); }
+
 void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     int64_t nb = m->cols / 256;
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f[8] = {0}, fmin = 0.0f;
+        float f[8] = {0}, fmin[4] = {0};
         for (int64_t b = 0; b < nb; b++, w += 144) {
             uint8_t sc[8], mn[8];
             ms_q4_k_scales(w + 4, sc, mn);
             const uint8_t *q = w + 16;
-            int32_t lanes[8] = {0}, sm = 0;
+            int32_t lanes[8] = {0}, sm[4] = {0};
             for (int j = 0; j < 8; j++) {
                 const uint8_t *qq = q + 32 * (j / 2);
                 int shift = (j & 1) * 4;
                 for (int i = 0; i < 32; i++)
                     lanes[i / 4] += sc[j] * (int32_t)((qq[i] >> shift) & 0x0F) * x[b].q[32 * j + i];
-                sm += mn[j] * x[b].bsums[j];
+                sm[j / 2] += mn[j] * x[b].bsums[j];
             }
             float dd = h2f(w) * x[b].d, dm = h2f(w + 2) * x[b].d;
             for (int L = 0; L < 8; L++) f[L] = fmaf((float)lanes[L], dd, f[L]);
-            fmin += dm * (float)sm;
+            for (int l = 0; l < 4; l++) fmin[l] = fmaf((float)sm[l], dm, fmin[l]);
         }
-        out[r] = ms_lanes8_reduce(f) - fmin;
+        out[r] = ms_lanes8_reduce(f) - ms_q4_k_min_reduce(fmin);
     }
 }
 

@@ -58,4 +58,5 @@ static inline float *ms_int4x_scales(const float *xp, int64_t nb) {
 
 void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]);
 float ms_lanes8_reduce(const float f[8]); /* (f0+f4 + f2+f6) + (f1+f5 + f3+f7) */
+float ms_q4_k_min_reduce(const float fmin[4]); /* (m0 + m1) + (m2 + m3) */
 #endif

@@ -56,7 +56,7 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 f = _mm256_setzero_ps();
-        float fmin = 0.0f;
+        __m128 fmin = _mm_setzero_ps();
         for (int64_t b = 0; b < nb; b++, w += 144) {
             prefetch_ahead(w, 4 * m->row_bytes, 144);
             __m128i sc, mn;
@@ -77,7 +77,7 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
             }
             f = q4k_epilogue(w, &x[b], mn, acc, f, &fmin);
         }
-        out[r] = reduce8(f) - fmin;
+        out[r] = reduce8(f) - q4k_min_reduce(fmin);
     }
 }
 
@@ -229,7 +229,7 @@ void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const f
 
 /* q4_k against several tokens (the tile unpacked once, quant_int8_simd.h): each unpacked vector is loaded
  * once for the group's nt (1..4) tokens; the block epilogue runs for two tokens per register, one 128-bit
- * lane each (mins times bsums, dmin * d(x) and d * d(x), the running min terms), from token vectors made
+ * lane each (mins times bsums, dmin * d(x) and d * d(x), the running min lanes), from token vectors made
  * once per group for all the rows. Every token's float operations are ms_dot4_q4_k_avx2's. */
 typedef struct {
     __m256i bsums[2]; /* tokens 2g and 2g + 1: their 8 bsums in the low and high lane (zero beyond nt) */
@@ -280,11 +280,9 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
             const __m256i mins = _mm256_broadcastsi128_si256(u->mn);
             const __m256 vd = _mm256_set1_ps(u->d), vdmin = _mm256_set1_ps(u->dmin);
             for (int h = 0; h < ng; h++) {
-                __m256i ms = _mm256_madd_epi16(mins, g[b].bsums[h]);
-                ms = _mm256_add_epi32(ms, _mm256_shuffle_epi32(ms, 0x4e));
-                ms = _mm256_add_epi32(ms, _mm256_shuffle_epi32(ms, 0xb1)); /* sum(mn * bsums) per lane */
+                __m256i ms = _mm256_madd_epi16(mins, g[b].bsums[h]); /* the 4 sums of mins * bsums per lane */
                 __m256 dm = _mm256_mul_ps(vdmin, g[b].d[h]);
-                fmin[h] = _mm256_add_ps(fmin[h], _mm256_mul_ps(dm, _mm256_cvtepi32_ps(ms)));
+                fmin[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), dm, fmin[h]);
                 __m256 dd = _mm256_mul_ps(vd, g[b].d[h]);
                 for (int l = 0; l < 2 && 2 * h + l < nt; l++) {
                     __m256 di = _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(4 * l));
@@ -294,7 +292,8 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
         }
         float fm[2][8];
         for (int h = 0; h < ng; h++) _mm256_storeu_ps(fm[h], fmin[h]);
-        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - fm[i / 2][4 * (i % 2)];
+        for (int i = 0; i < nt; i++)
+            out[i * out_stride + r] = reduce8(f[i]) - ms_q4_k_min_reduce(&fm[i / 2][4 * (i % 2)]);
     }
 }
 

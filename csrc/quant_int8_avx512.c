@@ -263,7 +263,7 @@ void ms_dot4_q8_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
  * sub-blocks per register: maddubs, and madd by the pair's scales (sub-block 2k's in the low half, 2k+1's in
  * the high half); the halves are added at the end of the block, exact integers. The block epilogue runs for
  * the group's tokens together, one 128-bit lane each: the sums of mins times bsums, dmin * d(x) and
- * d * d(x), and the running min term; the same float operations per token as ms_dot4_q4_k_avx2. */
+ * d * d(x), and the running min lanes; the same float operations per token as ms_dot4_q4_k_avx2. */
 typedef struct {
     __m512i bsums; /* token i's 8 bsums in 128-bit lane i (zero beyond the group) */
     __m512 d;      /* token i's d in 128-bit lane i */
@@ -312,11 +312,9 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
                     KEEP_IN_REGISTER(acc[i]);
                 }
             }
-            __m512i ms = _mm512_madd_epi16(_mm512_broadcast_i32x4(u->mn), g[b].bsums);
-            ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, (_MM_PERM_ENUM)0x4e));
-            ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, (_MM_PERM_ENUM)0xb1)); /* sum(mn * bsums) */
+            __m512i ms = _mm512_madd_epi16(_mm512_broadcast_i32x4(u->mn), g[b].bsums); /* token i: lane i */
             __m512 dm = _mm512_mul_ps(_mm512_set1_ps(u->dmin), g[b].d);
-            fmin = _mm512_add_ps(fmin, _mm512_mul_ps(dm, _mm512_cvtepi32_ps(ms)));
+            fmin = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), dm, fmin);
             __m512 dd = _mm512_mul_ps(_mm512_set1_ps(u->d), g[b].d);
             for (int i = 0; i < nt; i++) {
                 __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]), _mm512_extracti64x4_epi64(acc[i], 1));
@@ -326,7 +324,7 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
         }
         float fm[16];
         _mm512_storeu_ps(fm, fmin);
-        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - fm[4 * i];
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - ms_q4_k_min_reduce(&fm[4 * i]);
     }
 }
 
@@ -460,7 +458,7 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 f = _mm256_setzero_ps();
-        float fmin = 0.0f;
+        __m128 fmin = _mm_setzero_ps();
         for (int64_t b = 0; b < nb; b++, w += 144) {
             prefetch_ahead(w, 4 * m->row_bytes, 144);
             __m128i sc, mn;
@@ -478,6 +476,6 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
             __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
             f = q4k_epilogue(w, &x[b], mn, a, f, &fmin);
         }
-        out[r] = reduce8(f) - fmin;
+        out[r] = reduce8(f) - q4k_min_reduce(fmin);
     }
 }

@@ -18,16 +18,16 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t ahead, int nbytes) {
 }
 
 /* The end of a q4_k block against one token (w: the block, acc: its exact lane sums): the lanes times
- * d * d(x) added to f, and dmin * d(x) * sum(mins * bsums) to the row's separate min term. */
+ * d * d(x) added to f, and dmin * d(x) times the 4 exact sums of mins * bsums (sub-blocks 2l, 2l + 1) to
+ * the row's 4 min lanes. d and dmin are converted together. */
 static inline __m256 q4k_epilogue(const uint8_t *w, const ms_q8_kx *x, __m128i mins, __m256i acc, __m256 f,
-                                  float *fmin) {
+                                  __m128 *fmin) {
     __m128i ms = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bsums));
-    ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4e));
-    ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xb1));
-    int32_t sm = _mm_cvtsi128_si32(ms);
-    float dd = h2f(w) * x->d, dm = h2f(w + 2) * x->d;
-    *fmin += dm * (float)sm;
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dd), f);
+    uint32_t h;
+    memcpy(&h, w, 4);
+    __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)), _mm_set1_ps(x->d)); /* d, dmin times d(x) */
+    *fmin = _mm_fmadd_ps(_mm_cvtepi32_ps(ms), _mm_shuffle_ps(dd, dd, 0x55), *fmin);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_broadcastss_ps(dd), f);
 }
 
 /* ms_lanes8_reduce in registers, the same additions in the same order: (f0+f4 + f2+f6) + (f1+f5 + f3+f7). */
@@ -35,6 +35,12 @@ static inline float reduce8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* f0+f4, .., f3+f7 */
     __m128 c = _mm_add_ps(a, _mm_movehl_ps(a, a));                                   /* a0+a2, a1+a3 */
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+/* (l0 + l1) + (l2 + l3) of the 4 min lanes, as ms_q4_k_min_reduce */
+static inline float q4k_min_reduce(__m128 m) {
+    __m128 t = _mm_add_ps(m, _mm_shuffle_ps(m, m, 0xb1)); /* l0 + l1, -, l2 + l3, - */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehl_ps(t, t)));
 }
 
 /* The 12 scale bytes of a q4_k block as 8 six-bit scales and 8 six-bit mins, widened to int16, with 32-bit
