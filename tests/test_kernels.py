@@ -314,3 +314,39 @@ def test_glu_many_equals_each_mlp_alone():
             want = e.down.matmul(silu_glu(e.gate.matmul(x), e.up.matmul(x)))
             assert y.tobytes() == want.tobytes()
     assert glu_many([], Ctx()) == []
+
+
+def test_moe_token_alone_equals_its_row_of_the_batch():
+    """A routed MoE layer gives each token the same bits alone (decode: the one-row router, all experts on
+    the one x, the slot-ordered sum) as in a batch (prefill: each expert over the tokens that chose it)."""
+    from moestream.models.base import Ctx, Expert, MoE, SoftmaxRouter, glu_many, glu_one_x
+
+    rng = np.random.default_rng(8)
+    experts = [
+        Expert(
+            make_weight("q4_k", 256, 256, seed=i),
+            make_weight("q4_k", 256, 256, seed=i + 9),
+            make_weight("q6_k", 256, 256, seed=i + 99),
+        )
+        for i in range(6)
+    ]
+    for renormalize in (True, False):
+        moe = MoE(SoftmaxRouter(make_weight("bf16", 6, 256, seed=5), 3, renormalize), experts, None)
+        x = (0.05 * rng.standard_normal((7, 256))).astype(np.float32)
+        batch = moe(x, Ctx(threads=2))
+        for t in range(7):
+            assert moe(x[t : t + 1], Ctx(threads=2)).tobytes() == batch[t : t + 1].tobytes()
+            idx, w = moe.router(x[t : t + 1], Ctx())
+            bidx, bw = moe.router(x, Ctx())
+            assert idx.tolist() == bidx[t : t + 1].tolist() and w.tobytes() == bw[t : t + 1].tobytes()
+    # experts of different inner sizes (not one MoE's): glu_many's way, the same bits
+    odd = [
+        experts[0],
+        Expert(
+            make_weight("q4_k", 512, 256, seed=1),
+            make_weight("q4_k", 512, 256, seed=2),
+            make_weight("q6_k", 256, 512, seed=3),
+        ),
+    ]
+    want = np.concatenate(glu_many([(e, x[:1]) for e in odd], Ctx()))
+    assert glu_one_x(odd, x[:1], Ctx()).tobytes() == want.tobytes()

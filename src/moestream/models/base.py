@@ -445,10 +445,11 @@ class DenseMLP:
 
 
 def glu_one_x(mlps: list[Any], x: np.ndarray, ctx: Ctx) -> np.ndarray:
-    """[mlp(x) for mlp in mlps] as one array [n, out] for a single token x [1, E] (decode): glu_many's
-    passes and bits, without its bookkeeping for batches of different sizes."""
+    """[mlp(x) for mlp in mlps] as one array [n, out] for a single token x [1, E] (decode) and MLPs of one
+    output width (a MoE layer's experts): glu_many's passes and bits, without its bookkeeping for batches
+    of different sizes."""
     first = mlps[0]
-    if any(m.act is not first.act or m.gate.rows != first.gate.rows or m.down.rows != first.down.rows for m in mlps):
+    if any(m.act is not first.act or m.gate.rows != first.gate.rows for m in mlps):
         return np.concatenate(glu_many([(m, x) for m in mlps], ctx))
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, inner = len(mlps), first.gate.rows
@@ -607,6 +608,8 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
         by_slot: np.ndarray | None = None  # [k, out]: row j = expert_{idx[0, j]}(x)
         served = 0
         for group in groups:
+            if not group:
+                continue
             y = glu_one_x([expert for _, expert in group], x, ctx)  # [n, out]; x prepared once for all
             if by_slot is None:
                 by_slot = np.empty((k, y.shape[1]), np.float32)
