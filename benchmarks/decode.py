@@ -157,11 +157,16 @@ class LlamaCpp:
         return len(prompt) / prefill, (gen - 1) / decode, ids
 
 
+def memory_read(threads: int) -> float:
+    """GB/s of a plain read of 2 GiB at this moment (the machines here move between two speeds)."""
+    buf = np.ones(2 << 30, np.uint8)
+    return 2 * 2**30 / best_time(lambda: _C.memread(buf, threads), repeat=3, min_seconds=0.5) / 1e9
+
+
 def kernel_bandwidth(threads: int) -> list[list[object]]:
     rng = np.random.default_rng(0)
     rows = []
-    buf = np.ones(2 << 30, np.uint8)
-    base = 2 * 2**30 / best_time(lambda: _C.memread(buf, threads), repeat=3, min_seconds=0.5) / 1e9
+    base = memory_read(threads)
     import ml_dtypes
 
     for name, (r, c) in {
@@ -226,6 +231,7 @@ def main() -> None:
     ids: dict[str, list[int]] = {}
     for engine in engines.values():
         engine.run(prompt[:8], 2)  # warm up
+    read_before = memory_read(args.threads)
     for _ in range(args.rounds):
         for name, engine in engines.items():
             p, d, ids[name] = engine.run(prompt, args.gen)
@@ -240,7 +246,9 @@ def main() -> None:
             pa, pb = best[ours_name], best[peer]
             rows.append([f"ratio {ours_name} / {peer}", pa[0] / pb[0], pa[1] / pb[1], ""])
     print(table(["engine", "prefill tok/s", "decode tok/s", "load s"], rows))
-    print()
+    read_after = memory_read(args.threads)
+    print(f"\nmemory read at {args.threads} threads just before / after the rounds: ", end="")
+    print(f"{read_before:.1f} / {read_after:.1f} GB/s\n")
     del engines  # free their memory before the kernel measurements
     if not args.skip_kernels:
         print(table(["kernel", "GB/s", "of memory read"], kernel_bandwidth(args.threads)))
