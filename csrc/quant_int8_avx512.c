@@ -204,10 +204,15 @@ static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
     const ms_int4x *x = (const ms_int4x *)xp;
     int64_t nb = m->cols / 32;
     const float *xs = ms_int4x_scales(xp, nb);
-    /* Two rows per pass, not four: from memory at two threads, four rows' streams at once held int4 to
-     * 38 GB/s (of a 50 GB/s read) and 54 (of 80), two rows' 40 and 65; a row alone computes too slowly
-     * (one thread: 29 GB/s against 35 for four rows). Each row's sum is the same whatever the pass. */
+    /* Four rows per pass share the activation loads, but on wide rows (over 8192 columns; 14336 columns
+     * are 30 KB of activations) their four streams at once held int4 at two threads to 54 GB/s with the
+     * read at 80, where two rows reach 65; on narrower rows four rows stay ahead (7168x2048: 62 against
+     * 55 GB/s). Each row's sum is the same whatever the pass. */
     int r = 0;
+    if (nrows == 4 && m->cols <= 8192) {
+        int4_rows(m, row0, 4, x, xs, nb, out);
+        return;
+    }
     for (; r + 2 <= nrows; r += 2) int4_rows(m, row0 + r, 2, x, xs, nb, out + r);
     if (r < nrows) int4_rows(m, row0 + r, 1, x, xs, nb, out + r);
 }
