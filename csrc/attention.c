@@ -1,7 +1,7 @@
 /* Decode attention for grouped-query models (see attention.h). The scalar loops are the definition;
- * the AVX2 and AVX-512 versions of the two hot loops (scores, p V) do the same multiplies and adds on
- * the same 16 lanes (with -ffp-contract=off, no fused multiply-adds anywhere), so the bits do not
- * depend on the instruction set. */
+ * the AVX2 and AVX-512 versions of the two hot loops do the same multiplies and adds in the same order
+ * (scores: 16 lanes, then a fixed tree; p V: each output column summed over positions in order), with
+ * no fused multiply-adds anywhere (-ffp-contract=off), so the bits do not depend on the instruction set. */
 #include "attention.h"
 
 #include <immintrin.h>
