@@ -59,16 +59,16 @@ static inline float lane_dot(const float *x, const float *y, int n) {
 }
 
 /* The hot loops of one head, as the definition: scores p[s] = dot(q, K[s]) * scaling (lane_dot), and
- * o = sum over s, in order, of p[s] V[s]. The SIMD versions below do the same operations on the same
- * lanes. */
+ * o += p[s] V[s] for s in order (o starts at zero; a long context comes in blocks of positions, each
+ * continuing the sums). The SIMD versions below do the same operations in the same order. */
 static void scores_scalar(const float *q, const float *K, int64_t S, int D, float scaling, float *p) {
     for (int64_t s = 0; s < S; s++) p[s] = lane_dot(q, K + s * D, D) * scaling;
 }
 
-/* o[d] for columns [d, D): p[0] V[0, d] + p[1] V[1, d] + ... in that order */
+/* o[d] += p[0] V[0, d], then += p[1] V[1, d], ... for columns [d, D) */
 static void pv_columns(const float *p, const float *V, int64_t S, int D, int d, float *o) {
     for (; d < D; d++) {
-        float a = 0.0f;
+        float a = o[d];
         for (int64_t s = 0; s < S; s++) a += p[s] * V[s * D + d];
         o[d] = a;
     }
@@ -76,7 +76,6 @@ static void pv_columns(const float *p, const float *V, int64_t S, int D, int d, 
 
 /* pv_columns over all columns, as rows of V (the same sums; the compiler can vectorise along d) */
 static void pv_scalar(const float *p, const float *V, int64_t S, int D, float *o) {
-    for (int d = 0; d < D; d++) o[d] = 0.0f;
     for (int64_t s = 0; s < S; s++)
         for (int d = 0; d < D; d++) o[d] += p[s] * V[s * D + d];
 }
@@ -94,7 +93,21 @@ __attribute__((target("avx2"))) static void scores_avx2(const float *q, const fl
         scores_scalar(q, K, S, D, scaling, p);
         return;
     }
-    for (int64_t s = 0; s < S; s++) {
+    int64_t s = 0;
+    for (; s + 4 <= S; s += 4) { /* four positions at once, as scores_avx512 */
+        const float *k = K + s * D;
+        __m256 a[4][2]; /* lanes 0..7 and 8..15 of each position */
+        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += LANES) {
+            const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
+            for (int r = 0; r < 4; r++) {
+                a[r][0] = _mm256_add_ps(a[r][0], _mm256_mul_ps(q0, _mm256_loadu_ps(k + r * D + i)));
+                a[r][1] = _mm256_add_ps(a[r][1], _mm256_mul_ps(q1, _mm256_loadu_ps(k + r * D + i + 8)));
+            }
+        }
+        for (int r = 0; r < 4; r++) p[s + r] = reduce8_avx2(_mm256_add_ps(a[r][0], a[r][1])) * scaling;
+    }
+    for (; s < S; s++) {
         const float *k = K + s * D;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(); /* lanes 0..7, 8..15 */
         for (int i = 0; i < D; i += LANES) {
@@ -109,7 +122,7 @@ __attribute__((target("avx2"))) static void pv_avx2(const float *p, const float 
     int d = 0;
     for (; d + 64 <= D; d += 64) {
         __m256 a[8];
-        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(o + d + 8 * j);
         for (int64_t s = 0; s < S; s++) {
             const __m256 ps = _mm256_set1_ps(p[s]);
             const float *v = V + s * D + d;
@@ -119,12 +132,18 @@ __attribute__((target("avx2"))) static void pv_avx2(const float *p, const float 
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d + 8 * j, a[j]);
     }
     for (; d + 8 <= D; d += 8) {
-        __m256 a = _mm256_setzero_ps();
+        __m256 a = _mm256_loadu_ps(o + d);
         for (int64_t s = 0; s < S; s++)
             a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(V + s * D + d)));
         _mm256_storeu_ps(o + d, a);
     }
     pv_columns(p, V, S, D, d, o);
+}
+
+/* lanes l + l+8 of a 16-lane sum, then reduce8_avx2 */
+__attribute__((target("avx512f"))) static inline float reduce16_avx512(__m512 a) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return reduce8_avx2(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
 }
 
 __attribute__((target("avx512f"))) static void scores_avx512(const float *q, const float *K, int64_t S, int D,
@@ -133,14 +152,22 @@ __attribute__((target("avx512f"))) static void scores_avx512(const float *q, con
         scores_scalar(q, K, S, D, scaling, p);
         return;
     }
-    for (int64_t s = 0; s < S; s++) {
+    int64_t s = 0;
+    for (; s + 4 <= S; s += 4) { /* four positions at once: four independent chains, q loaded once */
+        const float *k = K + s * D;
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int i = 0; i < D; i += LANES) {
+            const __m512 qv = _mm512_loadu_ps(q + i);
+            for (int r = 0; r < 4; r++) a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(qv, _mm512_loadu_ps(k + r * D + i)));
+        }
+        for (int r = 0; r < 4; r++) p[s + r] = reduce16_avx512(a[r]) * scaling;
+    }
+    for (; s < S; s++) {
         const float *k = K + s * D;
         __m512 a = _mm512_setzero_ps(); /* lanes 0..15 */
         for (int i = 0; i < D; i += LANES)
             a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i)));
-        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-        __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), hi);
-        p[s] = reduce8_avx2(s8) * scaling;
+        p[s] = reduce16_avx512(a) * scaling;
     }
 }
 
@@ -149,7 +176,7 @@ __attribute__((target("avx512f"))) static void pv_avx512(const float *p, const f
     int d = 0;
     for (; d + 128 <= D; d += 128) {
         __m512 a[8];
-        for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++) a[j] = _mm512_loadu_ps(o + d + 16 * j);
         for (int64_t s = 0; s < S; s++) {
             const __m512 ps = _mm512_set1_ps(p[s]);
             const float *v = V + s * D + d;
@@ -159,7 +186,7 @@ __attribute__((target("avx512f"))) static void pv_avx512(const float *p, const f
         for (int j = 0; j < 8; j++) _mm512_storeu_ps(o + d + 16 * j, a[j]);
     }
     for (; d + 16 <= D; d += 16) {
-        __m512 a = _mm512_setzero_ps();
+        __m512 a = _mm512_loadu_ps(o + d);
         for (int64_t s = 0; s < S; s++)
             a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(p[s]), _mm512_loadu_ps(V + s * D + d)));
         _mm512_storeu_ps(o + d, a);
@@ -173,18 +200,20 @@ typedef void (*pv_fn)(const float *p, const float *V, int64_t S, int D, float *o
 typedef struct {
     const ms_gqa_decode_args *a;
     int64_t lo;  /* first position attended to */
-    float *work; /* per thread: [2 D + S] */
+    float *work; /* per thread: queries [rep, D], scratch [D], scores [rep, S] */
     int64_t work_stride;
 } head_job;
 
-/* Heads [h0, h1) of thread ith: query norm and rope, scores, softmax, p V. */
+/* Heads [h0, h1) of thread ith, in runs that share a key/value head: each run's queries normed and
+ * rotated, then blocks of positions (32 KB of keys or values) passed over by every head of the run while
+ * they sit in L1, instead of each head streaming the whole cache again. */
 static void heads_task(void *ctx, int ith, int nth) {
     const head_job *j = (const head_job *)ctx;
     const ms_gqa_decode_args *a = j->a;
     const int D = a->D, rep = a->H / a->KV;
     const int h0 = (int)((int64_t)a->H * ith / nth), h1 = (int)((int64_t)a->H * (ith + 1) / nth);
-    const int64_t S = a->pos + 1 - j->lo;
-    float *q = j->work + ith * j->work_stride, *sq = q + D, *p = q + 2 * D;
+    const int64_t S = a->pos + 1 - j->lo, block = D >= 8192 ? 1 : 8192 / D;
+    float *qs = j->work + ith * j->work_stride, *sq = qs + (int64_t)rep * D, *ps = sq + D;
     scores_fn scores = scores_scalar;
     pv_fn pv = pv_scalar;
     if (ms_get_isa() == MS_ISA_AVX512) {
@@ -194,16 +223,28 @@ static void heads_task(void *ctx, int ith, int nth) {
         scores = scores_avx2;
         pv = pv_avx2;
     }
-    for (int h = h0; h < h1; h++) {
-        norm_rope(a->q + (int64_t)h * D, a, a->q_norm, sq, q);
-        const int64_t kv = h / rep;
-        scores(q, a->kcache + (kv * a->cap + j->lo) * D, S, D, a->scaling, p);
-        float m = -INFINITY;
-        for (int64_t s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
-        for (int64_t s = 0; s < S; s++) p[s] = expf(p[s] - m);
-        const float total = lane_sum(p, S);
-        for (int64_t s = 0; s < S; s++) p[s] = p[s] / total;
-        pv(p, a->vcache + (kv * a->cap + j->lo) * D, S, D, a->out + (int64_t)h * D);
+    for (int g0 = h0; g0 < h1;) {
+        const int64_t kv = g0 / rep;
+        const int g1 = (int)((kv + 1) * rep) < h1 ? (int)((kv + 1) * rep) : h1, nh = g1 - g0;
+        const float *K = a->kcache + (kv * a->cap + j->lo) * D, *V = a->vcache + (kv * a->cap + j->lo) * D;
+        for (int i = 0; i < nh; i++) norm_rope(a->q + (int64_t)(g0 + i) * D, a, a->q_norm, sq, qs + i * D);
+        for (int64_t s0 = 0; s0 < S; s0 += block) {
+            const int64_t n = S - s0 < block ? S - s0 : block;
+            for (int i = 0; i < nh; i++) scores(qs + i * D, K + s0 * D, n, D, a->scaling, ps + i * S + s0);
+        }
+        for (int i = 0; i < nh; i++) {
+            float *p = ps + i * S, m = -INFINITY;
+            for (int64_t s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
+            for (int64_t s = 0; s < S; s++) p[s] = expf(p[s] - m);
+            const float total = lane_sum(p, S);
+            for (int64_t s = 0; s < S; s++) p[s] = p[s] / total;
+            memset(a->out + (int64_t)(g0 + i) * D, 0, (size_t)D * sizeof(float));
+        }
+        for (int64_t s0 = 0; s0 < S; s0 += block) {
+            const int64_t n = S - s0 < block ? S - s0 : block;
+            for (int i = 0; i < nh; i++) pv(ps + i * S + s0, V + s0 * D, n, D, a->out + (int64_t)(g0 + i) * D);
+        }
+        g0 = g1;
     }
 }
 
@@ -216,7 +257,8 @@ int ms_gqa_decode(const ms_gqa_decode_args *a, int nthreads) {
     const int64_t macs = 2 * (int64_t)a->H * S * a->D;
     while (nth > 1 && macs / nth < (1 << 16)) nth--;
     if (nth > a->H) nth = a->H;
-    j.work_stride = (2 * (int64_t)a->D + S + 15) / 16 * 16;
+    const int64_t rep = a->H / a->KV;
+    j.work_stride = ((rep + 1) * a->D + rep * S + 15) / 16 * 16;
     j.work = malloc((size_t)(j.work_stride * nth) * sizeof(float));
     if (j.work == NULL) return -1;
     const int D = a->D;

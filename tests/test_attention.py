@@ -93,9 +93,9 @@ def numpy_decode(attn: GQAttention, q, k, v, keys, values, pos):
         (2, 1, 36, True, True, 1),
     ],
 )
-def test_decode_matches_numpy_steps(H, KV, D, norms, interleave, window):
+@pytest.mark.parametrize("pos", [37, 700])  # 700: several blocks of positions (64 at D = 128)
+def test_decode_matches_numpy_steps(H, KV, D, norms, interleave, window, pos):
     attn, rng = make_attention(H, KV, D, norms, interleave, window)
-    pos = 37
     cache = filled_cache(attn, rng, pos)
     keys, values = cache.k[:, :pos].copy(), cache.v[:, :pos].copy()
     x = rng.standard_normal((1, 48)).astype(np.float32)
