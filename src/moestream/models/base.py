@@ -622,10 +622,11 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
             out += by_slot[j]
         return out
     contrib: np.ndarray | None = None  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
-    where: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # expert -> (tokens, their top-k slots)
-    for e in ids:
-        tok, slot = np.nonzero(idx == e)
-        where[e] = (tok, slot)
+    # expert -> (its tokens, their top-k slots) in token order, as np.nonzero(idx == e) gives them: the
+    # flat (token, slot) indices grouped by expert with one stable sort
+    flat = np.argsort(idx.ravel(), kind="stable")
+    bounds = np.searchsorted(idx.ravel()[flat], [*ids, np.iinfo(np.int64).max]).tolist()
+    where = {e: (flat[a:b] // k, flat[a:b] % k) for e, a, b in zip(ids, bounds[:-1], bounds[1:], strict=True)}
     for group in groups:
         if not group:
             continue
