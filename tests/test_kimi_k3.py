@@ -160,3 +160,29 @@ def test_sharded_k3_checkpoint(tmp_path):
     ids = prompt(8)
     assert engine_generate(one, ids, 4)[1].tobytes() == engine_generate(many, ids, 4)[1].tobytes()
     shutil.rmtree(many)
+
+
+def test_attn_res_has_the_bits_of_its_formula():
+    """The attention residual (with its completed blocks' norms kept by the caller, or not) gives the bits
+    of softmax_i(<s_i / sqrt(mean(s_i^2) + eps), f>) applied to the raw sources, written plainly."""
+    from moestream.models.base import softmax
+    from moestream.models.kimi_k3 import attn_res, res_normed
+
+    rng = np.random.default_rng(4)
+    eps = 1e-6
+    for T, E, n in ((1, 64, 1), (3, 96, 2), (5, 256, 4)):
+        sources = [(rng.standard_normal((T, E)) * np.exp(rng.standard_normal())).astype(np.float32) for _ in range(n)]
+        f = rng.standard_normal(E).astype(np.float32)
+        scores = np.stack(
+            [
+                np.sum(s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + np.float32(eps)) * f, axis=-1)
+                for s in sources
+            ]
+        )
+        p = softmax(scores, axis=0)
+        want = p[0][:, None] * sources[0]
+        for i in range(1, n):
+            want = want + p[i][:, None] * sources[i]
+        assert attn_res(sources, f, eps).tobytes() == want.astype(np.float32).tobytes()
+        kept = [res_normed(s, eps) for s in sources[:-1]]
+        assert attn_res(sources, f, eps, kept).tobytes() == want.astype(np.float32).tobytes()

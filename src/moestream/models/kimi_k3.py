@@ -173,11 +173,24 @@ def situ_glu(beta1: float, beta2: float) -> Glu:
     return act
 
 
-def attn_res(sources: list[np.ndarray], f: np.ndarray, eps: float) -> np.ndarray:
-    """Attention residual: softmax over sources of <rms(s_i), f>, applied to the raw sources."""
-    scores = np.stack(
-        [np.sum(s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + np.float32(eps)) * f, axis=-1) for s in sources]
-    )  # [n, T]
+def res_normed(s: np.ndarray, eps: float) -> np.ndarray:
+    """s / sqrt(mean(s^2) + eps) per row [T, E]: a source as attn_res scores it (np.mean's bits: a float32
+    pairwise sum divided by the count)."""
+    ms = np.add.reduce(s * s, axis=-1, keepdims=True) / np.float32(s.shape[-1])
+    return s / np.sqrt(ms + np.float32(eps))
+
+
+def attn_res(
+    sources: list[np.ndarray], f: np.ndarray, eps: float, normed: list[np.ndarray] | None = None
+) -> np.ndarray:
+    """Attention residual: softmax over sources of <rms(s_i), f>, applied to the raw sources. normed: the
+    res_normed of every source but the last, when the caller keeps them (completed blocks are scored by
+    every later layer)."""
+    rows = [*(normed if normed is not None else [res_normed(s, eps) for s in sources[:-1]])]
+    rows.append(res_normed(sources[-1], eps))
+    scores = np.empty((len(sources), sources[0].shape[0]), np.float32)  # [n, T]
+    for i, r in enumerate(rows):
+        np.add.reduce(r * f, axis=-1, out=scores[i])
     p = softmax(scores, axis=0)
     out = p[0][:, None] * sources[0]
     for i in range(1, len(sources)):
@@ -245,26 +258,28 @@ class K3Decoder:
         if hooks:
             hooks.leave("embed")
         blocks: list[np.ndarray] = []  # completed block sums, each [T, E]
+        normed: list[np.ndarray] = []  # their res_normed, scored by every later layer
         for i, (layer, cache) in enumerate(zip(self.layers, state.caches, strict=True)):
             if hooks:
                 hooks.enter(f"layer.{i}")
             prefix: np.ndarray | None = h
             if blocks:
-                h = attn_res([*blocks, h], layer.f_attn, eps)
+                h = attn_res([*blocks, h], layer.f_attn, eps, normed)
             if i % self.block == 0:
                 assert prefix is not None
                 blocks.append(prefix)
+                normed.append(res_normed(prefix, eps))
                 prefix = None
             a = layer.attn(rms_norm(h, layer.input_norm, eps), cache, ctx)
             prefix = a if prefix is None else prefix + a
-            h = attn_res([*blocks, prefix], layer.f_mlp, eps)
+            h = attn_res([*blocks, prefix], layer.f_mlp, eps, normed)
             m = layer.ffn(rms_norm(h, layer.post_norm, eps), ctx)
             h = prefix + m
             if hooks:
                 hooks.leave(f"layer.{i}")
         if hooks:
             hooks.enter("head")
-        h = attn_res([*blocks, h], self.f_out, eps)
+        h = attn_res([*blocks, h], self.f_out, eps, normed)
         state.ids.extend(int(i) for i in ids)
         hn = rms_norm(h if all_logits else h[-1:], self.norm, eps)
         logits = self.lm_head.matmul(hn, ctx.threads)
