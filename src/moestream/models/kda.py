@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Ctx, Linear, rms_norm, sigmoid, silu
+from .base import Ctx, Linear, linears, rms_norm, sigmoid, silu
 
 
 @dataclass
@@ -31,7 +31,7 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 
 def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    return x / np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True) + np.float32(eps))  # np.sum's bits
 
 
 class KDAttention:
@@ -77,10 +77,11 @@ class KDAttention:
         state.conv = full[T:].copy() if K > 1 else state.conv
         return silu(out)
 
-    def decay(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
-        """log of the per-channel decay, g [T, H, D]."""
+    def decay(self, x: np.ndarray, ctx: Ctx, fa: np.ndarray | None = None) -> np.ndarray:
+        """log of the per-channel decay, g [T, H, D] (fa: f_a(x) when the caller has it)."""
         T, H, D = x.shape[0], self.heads, self.head_dim
-        z = (self.f_b(self.f_a(x, ctx), ctx) + self.dt_bias).reshape(T, H, D)
+        fa = self.f_a(x, ctx) if fa is None else fa
+        z = (self.f_b(fa, ctx) + self.dt_bias).reshape(T, H, D)
         a = np.exp(self.a_log)[None, :, None]  # one value per head
         if self.lb is None:
             return (-a * softplus(z)).astype(np.float32)
@@ -90,13 +91,14 @@ class KDAttention:
         state = cache
         T, H, D = x.shape[0], self.heads, self.head_dim
         P = H * D
-        qkv = np.concatenate([self.q(x, ctx), self.k(x, ctx), self.v(x, ctx)], axis=1)  # [T, 3P]
-        qkv = self._conv(qkv, state)
+        # the five products of x in one pass of the kernels (x prepared once)
+        qx, kx, vx, fa, bx = linears(x, (self.q, self.k, self.v, self.f_a, self.b), ctx)
+        qkv = self._conv(np.concatenate([qx, kx, vx], axis=1), state)  # [T, 3P]
         q = l2norm(qkv[:, :P].reshape(T, H, D)) * np.float32(D**-0.5)
         k = l2norm(qkv[:, P : 2 * P].reshape(T, H, D))
         v = qkv[:, 2 * P :].reshape(T, H, D)
-        alpha = np.exp(self.decay(x, ctx))  # [T, H, D]
-        beta = sigmoid(self.b(x, ctx))  # [T, H]
+        alpha = np.exp(self.decay(x, ctx, fa))  # [T, H, D]
+        beta = sigmoid(bx)  # [T, H]
         S = state.S  # [H, Dk, Dv]
         o = np.empty((T, H, D), np.float32)
         for t in range(T):
