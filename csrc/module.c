@@ -80,10 +80,8 @@ static void release_product(product_buffers *b) {
     PyBuffer_Release(&b->out);
 }
 
-/* (fmt, w, scales, rows, cols, x, out) -> p with every size checked. 0 with the buffers held (release
- * them with release_product), or -1 with a Python exception set and nothing held. */
-/* A C-contiguous float32 buffer (checked here, so that callers need not check dtypes): 0, or -1 with
- * an exception set and nothing held. */
+/* A C-contiguous, 4-byte aligned float32 buffer (checked here, so that callers need not check dtypes):
+ * 0, or -1 with an exception set and nothing held. */
 static int get_f32(PyObject *obj, Py_buffer *b, int writable, const char *name) {
     if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
@@ -94,9 +92,16 @@ static int get_f32(PyObject *obj, Py_buffer *b, int writable, const char *name) 
         PyBuffer_Release(b);
         return -1;
     }
+    if ((uintptr_t)b->buf % sizeof(float) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be 4-byte aligned", name);
+        PyBuffer_Release(b);
+        return -1;
+    }
     return 0;
 }
 
+/* (fmt, w, scales, rows, cols, x, out) -> p with every size checked. 0 with the buffers held (release
+ * them with release_product), or -1 with a Python exception set and nothing held. */
 static int parse_product(PyObject *args, ms_product *p, product_buffers *b) {
     int fmt;
     long long rows, cols;
@@ -334,12 +339,10 @@ static PyObject *py_pread(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(r);
 }
 
-/* A float32 buffer argument: its length in floats must be n (n < 0: any whole number), 4-byte aligned. */
-static int check_f32(const Py_buffer *b, const char *name, long long n) {
-    if (b->len % (Py_ssize_t)sizeof(float) != 0 || (uintptr_t)b->buf % sizeof(float) != 0 ||
-        (n >= 0 && b->len != n * (Py_ssize_t)sizeof(float))) {
-        PyErr_Format(PyExc_ValueError, "gqa_decode: %s has %zd bytes, needs %lld aligned float32", name, b->len,
-                     n < 0 ? 0 : n);
+/* A float32 buffer's length must be n floats (n < 0: any). */
+static int check_count(const Py_buffer *b, const char *name, long long n) {
+    if (n >= 0 && b->len != n * (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "gqa_decode: %s has %zd bytes, needs %lld float32", name, b->len, n);
         return -1;
     }
     return 0;
@@ -348,22 +351,23 @@ static int check_f32(const Py_buffer *b, const char *name, long long n) {
 static PyObject *py_gqa_decode(PyObject *self, PyObject *args) {
     (void)self;
     enum { Q, K, V, KC, VC, COS, SIN, OUT, QN, KN, NBUF };
+    static const char *names[NBUF] = {"q", "k", "v", "the key cache", "the value cache", "cos", "sin", "out",
+                                      "q_norm", "k_norm"};
     Py_buffer b[NBUF];
+    PyObject *obj[NBUF];
     int held[NBUF] = {0};
-    PyObject *norm_obj[2];
     ms_gqa_decode_args a;
     long long pos, window;
     int interleave, threads;
     PyObject *ret = NULL;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*w*LiiiOOfy*y*pfLw*i", &b[Q], &b[K], &b[V], &b[KC], &b[VC], &pos, &a.H, &a.KV,
-                          &a.D, &norm_obj[0], &norm_obj[1], &a.eps, &b[COS], &b[SIN], &interleave, &a.scaling,
-                          &window, &b[OUT], &threads))
+    if (!PyArg_ParseTuple(args, "OOOOOLiiiOOfOOpfLOi", &obj[Q], &obj[K], &obj[V], &obj[KC], &obj[VC], &pos, &a.H,
+                          &a.KV, &a.D, &obj[QN], &obj[KN], &a.eps, &obj[COS], &obj[SIN], &interleave, &a.scaling,
+                          &window, &obj[OUT], &threads))
         return NULL;
-    for (int i = Q; i <= OUT; i++) held[i] = 1;
-    for (int i = 0; i < 2; i++) {
-        if (norm_obj[i] == Py_None) continue;
-        if (PyObject_GetBuffer(norm_obj[i], &b[QN + i], PyBUF_SIMPLE) < 0) goto done;
-        held[QN + i] = 1;
+    for (int i = 0; i < NBUF; i++) {
+        if ((i == QN || i == KN) && obj[i] == Py_None) continue;
+        if (get_f32(obj[i], &b[i], i == KC || i == VC || i == OUT, names[i]) < 0) goto done;
+        held[i] = 1;
     }
     if (a.H <= 0 || a.KV <= 0 || a.D <= 0 || a.H % a.KV != 0 || a.D % 2 != 0) {
         PyErr_Format(PyExc_ValueError, "gqa_decode: %d heads, %d key/value heads, head dim %d do not add up", a.H,
@@ -371,11 +375,11 @@ static PyObject *py_gqa_decode(PyObject *self, PyObject *args) {
         goto done;
     }
     long long hd = (long long)a.H * a.D, kvd = (long long)a.KV * a.D;
-    if (check_f32(&b[Q], "q", hd) || check_f32(&b[K], "k", kvd) || check_f32(&b[V], "v", kvd) ||
-        check_f32(&b[OUT], "out", hd) || check_f32(&b[COS], "cos", a.D / 2) || check_f32(&b[SIN], "sin", a.D / 2) ||
-        check_f32(&b[KC], "the key cache", -1) ||
-        check_f32(&b[VC], "the value cache", b[KC].len / (Py_ssize_t)sizeof(float)) ||
-        (held[QN] && check_f32(&b[QN], "q_norm", a.D)) || (held[KN] && check_f32(&b[KN], "k_norm", a.D)))
+    if (check_count(&b[Q], "q", hd) || check_count(&b[K], "k", kvd) || check_count(&b[V], "v", kvd) ||
+        check_count(&b[OUT], "out", hd) || check_count(&b[COS], "cos", a.D / 2) ||
+        check_count(&b[SIN], "sin", a.D / 2) ||
+        check_count(&b[VC], "the value cache", b[KC].len / (Py_ssize_t)sizeof(float)) ||
+        (held[QN] && check_count(&b[QN], "q_norm", a.D)) || (held[KN] && check_count(&b[KN], "k_norm", a.D)))
         goto done;
     a.cap = (long long)(b[KC].len / (Py_ssize_t)sizeof(float)) / kvd;
     if (a.cap * kvd * (Py_ssize_t)sizeof(float) != b[KC].len || pos < 0 || pos >= a.cap || window < 0) {

@@ -121,6 +121,28 @@ def test_window_attends_only_to_the_last_positions():
     assert attn._decode(q, k, v, cache, Ctx()).tobytes() == before.tobytes()
 
 
+def unaligned(a: np.ndarray) -> np.ndarray:
+    """a's float32 values at an odd byte address, as a tensor of a mapped checkpoint can lie."""
+    raw = np.zeros(a.nbytes + 1, np.uint8)
+    out = raw[1:].view(np.float32)
+    out[:] = a
+    assert not out.flags.aligned
+    return out
+
+
+def test_unaligned_weights_are_taken():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
+    assert rms_norm(x, unaligned(w), 1e-6).tobytes() == rms_norm(x, w, 1e-6).tobytes()
+    attn, rng = make_attention(4, 2, 64, True)
+    twin = GQAttention(
+        attn.q, attn.k, attn.v, attn.o, 4, 2, 64, attn.rope, unaligned(attn.q_norm), unaligned(attn.k_norm)
+    )
+    x = rng.standard_normal((1, 48)).astype(np.float32)
+    assert twin(x, twin.new_cache(), Ctx()).tobytes() == attn(x, attn.new_cache(), Ctx()).tobytes()
+
+
 @pytest.mark.parametrize("D", [36, 64, 80, 128, 256])
 def test_same_bits_on_every_isa_and_thread_count(D):
     attn, rng = make_attention(8, 2, D, True)
@@ -149,6 +171,12 @@ def test_incremental_decode_matches_prefill():
     assert np.abs(steps - whole).max() <= 1e-5 * np.abs(whole).max()
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
 def test_bad_arguments_raise():
     H, KV, D = 4, 2, 8
     q, k = np.zeros(H * D, np.float32), np.zeros(KV * D, np.float32)
@@ -171,6 +199,9 @@ def test_bad_arguments_raise():
         dict(vc=vc[:, :3].copy()),
         dict(cos=cs[:-1]),
         dict(out=np.zeros(H * D, np.float64)),
+        dict(q=np.zeros(H * D // 2, np.float64)),  # the same bytes, not float32
+        dict(kc=read_only(kc)),
+        dict(q=np.zeros(2 * H * D, np.float32)[::2]),  # not contiguous
     ):
         with pytest.raises(ValueError):
             call(**change)

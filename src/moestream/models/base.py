@@ -40,6 +40,8 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         and x.shape[-1] == w.shape[0]
         and x.flags.c_contiguous
         and w.flags.c_contiguous
+        and x.flags.aligned
+        and w.flags.aligned  # a float32 tensor of a mapped checkpoint may sit at any byte offset
     ):
         out = np.empty_like(x)
         _C.rms_norm(x, w, eps, out)
@@ -240,7 +242,11 @@ class GQAttention:
         self.q, self.k, self.v, self.o = q, k, v, o
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.rope = rope
-        self.q_norm, self.k_norm, self.norm_eps = q_norm, k_norm, norm_eps
+        # the C decode takes aligned float32 weights (a mapped checkpoint's may sit at any byte offset)
+        self.q_norm, self.k_norm = (
+            None if n is None else np.require(n, np.float32, ("C", "A")) for n in (q_norm, k_norm)
+        )
+        self.norm_eps = norm_eps
         self.sliding_window = sliding_window
         self.scaling = np.float32(head_dim**-0.5)
 
