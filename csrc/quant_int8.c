@@ -178,26 +178,27 @@ void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
  * S = sum k q over its four positions is exact in int32 (|S| < 2^26); the SIMD kernels get it as
  * ((A0 * 2^7 + A1) * 2^7 + A2) - off from the digit dot products A of the unsigned k + 12.
  * Canonical order: lane L of block b holds positions 4L..4L+3 of the nibble order; it is added as
- * acc[8 * (b & 1) + L] = fma((float)S, dd, acc[...]) with dd = 2^(s-128) * d (a power of two), in block
- * order; the row's result is ms_lanes8_reduce of acc[L] + acc[8 + L]. */
+ * acc[8 * (b % 4) + L] = fma((float)S, dd, acc[...]) with dd = 2^(s-128) * d (a power of two), in block
+ * order (four chains: four blocks fill a 512-bit register pair, low and high nibbles apart); the row's
+ * result is ms_lanes8_reduce of (acc[L] + acc[8 + L]) + (acc[16 + L] + acc[24 + L]). */
 
 void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
     int64_t nb = n / 32;
     ms_mxfp4x o = ms_mxfp4x_at(xp, nb);
     for (int64_t b = 0; b < nb; b++) {
         const float *v = x + 32 * b;
-        int8_t *p0 = o.p0 + 32 * b, *p1 = o.p1 + 32 * b, *p2 = o.p2 + 32 * b;
         float amax = 0.0f;
         int finite = 1;
         for (int i = 0; i < 32; i++) {
             amax = fmaxf(amax, fabsf(v[i]));
             finite &= fabsf(v[i]) <= FLT_MAX;
         }
-        memset(o.off + 8 * b, 0, 8 * sizeof(int32_t));
+        for (int L = 0; L < 8; L++) o.off[ms_mxfp4x_lane(nb, b, L)] = 0;
         if (!finite || amax == 0.0f) { /* zeros: all zero; inf/nan anywhere: the block's sums become nan */
-            memset(p0, 0, 32);
-            memset(p1, 0, 32);
-            memset(p2, 0, 32);
+            for (int j = 0; j < 32; j++) {
+                int64_t at = ms_mxfp4x_pos(nb, b, j);
+                o.p0[at] = o.p1[at] = o.p2[at] = 0;
+            }
             o.d[b] = finite ? 0.0f : NAN;
             continue;
         }
@@ -211,17 +212,18 @@ void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
             int32_t q = (int32_t)rintf(v[i] * scale);           /* |q| <= 2^20, to nearest even */
             int32_t d0 = (q + 8192) >> 14, r = q - d0 * 16384;  /* d0 in -64..64, r in -8192..8191 */
             int32_t d1 = (r + 64) >> 7, d2 = r - d1 * 128;      /* d1 in -64..64, d2 in -64..63 */
-            p0[j] = (int8_t)d0;
-            p1[j] = (int8_t)d1;
-            p2[j] = (int8_t)d2;
-            o.off[8 * b + j / 4] += 12 * q;
+            int64_t at = ms_mxfp4x_pos(nb, b, j);
+            o.p0[at] = (int8_t)d0;
+            o.p1[at] = (int8_t)d1;
+            o.p2[at] = (int8_t)d2;
+            o.off[ms_mxfp4x_lane(nb, b, j / 4)] += 12 * q;
         }
     }
 }
 
-/* The digit value q at position j of block b. */
-static inline int32_t mx_q(const ms_mxfp4x *x, int64_t b, int j) {
-    int64_t i = 32 * b + j;
+/* The digit value q at position j of block b of nb. */
+static inline int32_t mx_q(const ms_mxfp4x *x, int64_t nb, int64_t b, int j) {
+    int64_t i = ms_mxfp4x_pos(nb, b, j);
     return x->p0[i] * 16384 + x->p1[i] * 128 + x->p2[i];
 }
 
@@ -231,17 +233,17 @@ void ms_dot4_mxfp4_int_scalar(const ms_matrix *m, int64_t row0, int nrows, const
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const uint8_t *s8 = ms_mxfp4_scale_row(m, row0 + r);
-        float acc[16] = {0}, f[8];
+        float acc[32] = {0}, f[8];
         for (int64_t b = 0; b < nb; b++, w += 16) {
             float dd = ms_e8m0_half_lut[s8[b]] * x.d[b];
             for (int L = 0; L < 8; L++) {
                 int32_t S = 0;
                 for (int j = 4 * L; j < 4 * L + 4; j++) /* position j: byte j % 16, low nibble if j < 16 */
-                    S += ms_e2m1_x2_lut[(w[j % 16] >> (j < 16 ? 0 : 4)) & 0x0F] * mx_q(&x, b, j);
-                acc[8 * (b & 1) + L] = fmaf((float)S, dd, acc[8 * (b & 1) + L]);
+                    S += ms_e2m1_x2_lut[(w[j % 16] >> (j < 16 ? 0 : 4)) & 0x0F] * mx_q(&x, nb, b, j);
+                acc[8 * (b % 4) + L] = fmaf((float)S, dd, acc[8 * (b % 4) + L]);
             }
         }
-        for (int L = 0; L < 8; L++) f[L] = acc[L] + acc[8 + L];
+        for (int L = 0; L < 8; L++) f[L] = (acc[L] + acc[8 + L]) + (acc[16 + L] + acc[24 + L]);
         out[r] = ms_lanes8_reduce(f);
     }
 }

@@ -23,17 +23,33 @@ typedef struct {
 } ms_q6_kx;          /* 532 bytes per 256 activations */
 
 /* mxfp4 activations of one token, per 32-block b (MS_MXFP4X_BYTES each, as arrays over the nb blocks of
- * the token so that two blocks' parts lie side by side for 512-bit loads): x ~ q * d[b] with the integer
- * q (|q| <= 2^20) split into three int8 digits q = p0 * 2^14 + p1 * 2^7 + p2 (each in -64..64), stored
- * in the nibble order of the weights ([0..15]: the block's even columns, [16..31]: the odd ones), and
- * off[8b + L] = 12 * (sum of q over positions 4L..4L+3): the share of the +12 that makes the doubled E2M1
- * values unsigned (0..24) for maddubs / vpdpbusd. d[b] is a power of two (0: zero block; NaN: inf/NaN). */
+ * the token): x ~ q * d[b] with the integer q (|q| <= 2^20) split into three int8 digits
+ * q = p0 * 2^14 + p1 * 2^7 + p2 (each in -64..64) at the positions of the weights' nibble order
+ * ([0..15]: the block's even columns, the low nibbles; [16..31]: the odd ones, the high nibbles), and
+ * off = 12 * (sum of q over positions 4L..4L+3) per lane L: the share of the +12 that makes the doubled
+ * E2M1 values unsigned (0..24) for maddubs / vpdpbusd. d[b] is a power of two (0: zero block; NaN:
+ * inf/NaN). The blocks come in groups of four (the last may be shorter, n blocks): a group's low halves
+ * (positions 0..15 of each block, 16 bytes each) and then its high halves, so that the 64 weight bytes of
+ * four blocks, split into low and high nibbles, meet their activations in two 512-bit loads; off likewise
+ * (lanes 0..3 of each block, then lanes 4..7). ms_mxfp4x_pos and ms_mxfp4x_lane give the places. */
 #define MS_MXFP4X_BYTES 132
 typedef struct {
     int8_t *p0, *p1, *p2; /* [nb * 32] */
     int32_t *off;         /* [nb * 8] */
     float *d;             /* [nb] */
 } ms_mxfp4x;
+
+/* Index in a digit array of position i (0..31, nibble order) of block b of nb. */
+static inline int64_t ms_mxfp4x_pos(int64_t nb, int64_t b, int i) {
+    int64_t g = b / 4, j = b % 4, n = nb - 4 * g < 4 ? nb - 4 * g : 4;
+    return 128 * g + (i < 16 ? 16 * j + i : 16 * n + 16 * j + (i - 16));
+}
+
+/* Index in off of lane L (0..7) of block b of nb. */
+static inline int64_t ms_mxfp4x_lane(int64_t nb, int64_t b, int L) {
+    int64_t g = b / 4, j = b % 4, n = nb - 4 * g < 4 ? nb - 4 * g : 4;
+    return 32 * g + (L < 4 ? 4 * j + L : 4 * n + 4 * j + (L - 4));
+}
 
 static inline ms_mxfp4x ms_mxfp4x_at(const float *xp, int64_t nb) {
     char *base = (char *)xp;

@@ -151,11 +151,18 @@ typedef struct {
     __m256i p0, p1, p2, off;
 } mx_act;
 
-static inline mx_act mx_load(const ms_mxfp4x *x, int64_t b) {
-    mx_act a = {_mm256_loadu_si256((const __m256i *)(x->p0 + 32 * b)),
-                _mm256_loadu_si256((const __m256i *)(x->p1 + 32 * b)),
-                _mm256_loadu_si256((const __m256i *)(x->p2 + 32 * b)),
-                _mm256_loadu_si256((const __m256i *)(x->off + 8 * b))};
+/* 32 bytes of block b from a grouped array (quant_int8.h): its low half (positions 0..15 or lanes 0..3)
+ * and its high half, at their places. */
+static inline __m256i mx_halves(const void *arr, int size, int64_t lo, int64_t hi) {
+    return _mm256_loadu2_m128i((const __m128i *)((const char *)arr + size * hi),
+                               (const __m128i *)((const char *)arr + size * lo));
+}
+
+/* block c of the group of n blocks starting at block b0 (a multiple of 4): ms_mxfp4x_pos and _lane */
+static inline mx_act mx_load(const ms_mxfp4x *x, int64_t b0, int n, int c) {
+    int64_t lo = 32 * b0 + 16 * c, hi = lo + 16 * n, olo = 8 * b0 + 4 * c, ohi = olo + 4 * n;
+    mx_act a = {mx_halves(x->p0, 1, lo, hi), mx_halves(x->p1, 1, lo, hi), mx_halves(x->p2, 1, lo, hi),
+                mx_halves(x->off, 4, olo, ohi)};
     return a;
 }
 
@@ -177,54 +184,42 @@ static inline __m256i mx_unsigned_lut(void) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
 }
 
+/* R rows (1 or 2) at once, the four chains of the canonical order (block b into chain b % 4) each. */
+static inline __attribute__((always_inline)) void mx_rows_avx2(const ms_matrix *m, int64_t row0, const int R,
+                                                               const ms_mxfp4x *x, int64_t nb, __m256i ulut,
+                                                               float *out) {
+    const uint8_t *w[2], *s[2];
+    __m256 acc[2][4];
+    for (int r = 0; r < R; r++) {
+        w[r] = m->data + (row0 + r) * m->row_bytes;
+        s[r] = ms_mxfp4_scale_row(m, row0 + r);
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    }
+    const int64_t ahead = 4 * m->row_bytes;
+    for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+        for (int r = 0; r < R; r++) {
+            prefetch_ahead(w[r] + 16 * b0, ahead, 64);
+            if ((b0 & 63) == 0) _mm_prefetch((const char *)(s[r] + b0 + 4 * nb), _MM_HINT_T0); /* next tile's */
+        }
+        const int n = nb - b0 < 4 ? (int)(nb - b0) : 4;
+        for (int c = 0; c < n; c++) {
+            const int64_t b = b0 + c;
+            const mx_act a = mx_load(x, b0, n, c);
+            for (int r = 0; r < R; r++)
+                acc[r][c] = mxfp4_block(w[r] + 16 * b, ms_e8m0_half_lut[s[r][b]] * x->d[b], &a, ulut, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        out[r] = reduce8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+}
+
 void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     int64_t nb = m->cols / 32;
     ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
     const __m256i ulut = mx_unsigned_lut();
-    if (nrows == 4) { /* four rows share the activation loads */
-        const uint8_t *w0 = m->data + row0 * m->row_bytes, *w1 = w0 + m->row_bytes, *w2 = w1 + m->row_bytes,
-                      *w3 = w2 + m->row_bytes;
-        const uint8_t *s0 = ms_mxfp4_scale_row(m, row0), *s1 = s0 + nb, *s2 = s1 + nb, *s3 = s2 + nb;
-        __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-        const int64_t ahead = 4 * m->row_bytes;
-        for (int64_t b = 0; b < nb; b++) {
-            if ((b & 3) == 0) {
-                prefetch_ahead(w0 + 16 * b, ahead, 64);
-                prefetch_ahead(w1 + 16 * b, ahead, 64);
-                prefetch_ahead(w2 + 16 * b, ahead, 64);
-                prefetch_ahead(w3 + 16 * b, ahead, 64);
-            }
-            if ((b & 63) == 0) /* the next tile's scales */
-                for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(s0 + r * nb + b + 4 * nb), _MM_HINT_T0);
-            mx_act a = mx_load(&x, b);
-            float d = x.d[b];
-            e0 = mxfp4_block(w0 + 16 * b, ms_e8m0_half_lut[s0[b]] * d, &a, ulut, e0);
-            e1 = mxfp4_block(w1 + 16 * b, ms_e8m0_half_lut[s1[b]] * d, &a, ulut, e1);
-            e2 = mxfp4_block(w2 + 16 * b, ms_e8m0_half_lut[s2[b]] * d, &a, ulut, e2);
-            e3 = mxfp4_block(w3 + 16 * b, ms_e8m0_half_lut[s3[b]] * d, &a, ulut, e3);
-            if (++b == nb) break;
-            a = mx_load(&x, b); /* the odd block: the other accumulators */
-            d = x.d[b];
-            o0 = mxfp4_block(w0 + 16 * b, ms_e8m0_half_lut[s0[b]] * d, &a, ulut, o0);
-            o1 = mxfp4_block(w1 + 16 * b, ms_e8m0_half_lut[s1[b]] * d, &a, ulut, o1);
-            o2 = mxfp4_block(w2 + 16 * b, ms_e8m0_half_lut[s2[b]] * d, &a, ulut, o2);
-            o3 = mxfp4_block(w3 + 16 * b, ms_e8m0_half_lut[s3[b]] * d, &a, ulut, o3);
-        }
-        out[0] = reduce8(_mm256_add_ps(e0, o0));
-        out[1] = reduce8(_mm256_add_ps(e1, o1));
-        out[2] = reduce8(_mm256_add_ps(e2, o2));
-        out[3] = reduce8(_mm256_add_ps(e3, o3));
-        return;
-    }
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes, *s8 = ms_mxfp4_scale_row(m, row0 + r);
-        __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t b = 0; b < nb; b++) {
-            mx_act a = mx_load(&x, b);
-            f[b & 1] = mxfp4_block(w + 16 * b, ms_e8m0_half_lut[s8[b]] * x.d[b], &a, ulut, f[b & 1]);
-        }
-        out[r] = reduce8(_mm256_add_ps(f[0], f[1]));
-    }
+    int r = 0;
+    for (; r + 2 <= nrows; r += 2) mx_rows_avx2(m, row0 + r, 2, &x, nb, ulut, out + r); /* two share the loads */
+    if (r < nrows) mx_rows_avx2(m, row0 + r, 1, &x, nb, ulut, out + r);
 }
 
 /* q4_k against several tokens (the tile unpacked once, quant_int8_simd.h): each unpacked vector is loaded
@@ -441,6 +436,12 @@ static inline __m256i mx_pack_nibble_order(const __m256i v[4]) {
     return _mm256_permute4x64_epi64(c, 0xD8);                             /* evens of both lanes, then odds */
 }
 
+/* v's low and high 128 bits to elements lo and hi (of size bytes) of a grouped array (quant_int8.h) */
+static inline void mx_store_halves(void *arr, int size, int64_t lo, int64_t hi, __m256i v) {
+    _mm_storeu_si128((__m128i *)((char *)arr + size * lo), _mm256_castsi256_si128(v));
+    _mm_storeu_si128((__m128i *)((char *)arr + size * hi), _mm256_extracti128_si256(v, 1));
+}
+
 void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp) {
     int64_t nb = n / 32;
     ms_mxfp4x o = ms_mxfp4x_at(xp, nb);
@@ -461,10 +462,11 @@ void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp) {
         float amax = _mm_cvtss_f32(m4);
         int finite = _mm256_movemask_ps(ok) == 0xFF;
         if (!finite || amax == 0.0f) {
-            memset(o.p0 + 32 * b, 0, 32);
-            memset(o.p1 + 32 * b, 0, 32);
-            memset(o.p2 + 32 * b, 0, 32);
-            memset(o.off + 8 * b, 0, 8 * sizeof(int32_t));
+            const __m256i z = _mm256_setzero_si256();
+            mx_store_halves(o.p0, 1, ms_mxfp4x_pos(nb, b, 0), ms_mxfp4x_pos(nb, b, 16), z);
+            mx_store_halves(o.p1, 1, ms_mxfp4x_pos(nb, b, 0), ms_mxfp4x_pos(nb, b, 16), z);
+            mx_store_halves(o.p2, 1, ms_mxfp4x_pos(nb, b, 0), ms_mxfp4x_pos(nb, b, 16), z);
+            mx_store_halves(o.off, 4, ms_mxfp4x_lane(nb, b, 0), ms_mxfp4x_lane(nb, b, 4), z);
             o.d[b] = finite ? 0.0f : NAN;
             continue;
         }
@@ -485,15 +487,16 @@ void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp) {
             d2[k] = _mm256_sub_epi32(r, _mm256_slli_epi32(d1[k], 7));
         }
         __m256i p0 = mx_pack_nibble_order(d0), p1 = mx_pack_nibble_order(d1), p2 = mx_pack_nibble_order(d2);
-        _mm256_storeu_si256((__m256i *)(o.p0 + 32 * b), p0);
-        _mm256_storeu_si256((__m256i *)(o.p1 + 32 * b), p1);
-        _mm256_storeu_si256((__m256i *)(o.p2 + 32 * b), p2);
+        const int64_t lo = ms_mxfp4x_pos(nb, b, 0), hi = ms_mxfp4x_pos(nb, b, 16);
+        mx_store_halves(o.p0, 1, lo, hi, p0);
+        mx_store_halves(o.p1, 1, lo, hi, p1);
+        mx_store_halves(o.p2, 1, lo, hi, p2);
         /* lane sums of q from its digits: 12 * (2^14 sum p0 + 2^7 sum p1 + sum p2), exact in int32 */
         __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p0), _mm256_set1_epi16(16384 * 12 / 16));
         s = _mm256_slli_epi32(s, 4);
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p1), _mm256_set1_epi16(128 * 12)));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p2), _mm256_set1_epi16(12)));
-        _mm256_storeu_si256((__m256i *)(o.off + 8 * b), s);
+        mx_store_halves(o.off, 4, ms_mxfp4x_lane(nb, b, 0), ms_mxfp4x_lane(nb, b, 4), s);
     }
 }
 

@@ -54,6 +54,16 @@ static inline __m256i one_nibbles(const uint8_t *w) {
     return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
+/* mxfp4's four chains: lane 4c + l of lo holds chain c's lane l, of hi its lane 4 + l; each lane L is
+ * (chain 0 + chain 1) + (chain 2 + chain 3), then the fixed 8-lane tree. */
+static inline float finish4(__m512 lo, __m512 hi) {
+    lo = _mm512_add_ps(lo, _mm512_shuffle_f32x4(lo, lo, 0xB1)); /* 128-bit lanes 0+1 and 2+3 */
+    hi = _mm512_add_ps(hi, _mm512_shuffle_f32x4(hi, hi, 0xB1));
+    lo = _mm512_add_ps(lo, _mm512_shuffle_f32x4(lo, lo, 0x4E)); /* (0+1) + (2+3) in lane 0 */
+    hi = _mm512_add_ps(hi, _mm512_shuffle_f32x4(hi, hi, 0x4E));
+    return reduce8(_mm256_set_m128(_mm512_castps512_ps128(hi), _mm512_castps512_ps128(lo)));
+}
+
 /* The even-block and odd-block accumulators of a row added, then the fixed 8-lane tree. */
 static inline float finish(__m512 acc) {
     __m256 lo = _mm512_castps512_ps256(acc);
@@ -65,21 +75,24 @@ static inline float finish(__m512 acc) {
  * a masked load that misses the cache stalls the loop (int4 from memory: 7 GB/s masked, 16 unmasked);
  * the next tile's scales are prefetched with its weights (16 -> 36 GB/s on one thread for int4).
  *
- * R rows (R a constant, so the row loops unroll): for each group of 16 blocks, the 16 products
- * 2^(s-128) * d of every row at once; per pair of blocks, the 32 bytes of each row become the nibbles of
- * both blocks in nibble order (each block's 16 bytes twice, the second copy shifted) and one vpdpbusd
- * chain gives the 16 lane sums, whose low half adds into the even accumulator and high half the odd. */
+ * mxfp4, R rows (R a constant, so the row loops unroll): for each group of 16 blocks, the 16 products
+ * 2^(s-128) * d of every row at once; per group of four blocks, a row's 64 bytes split into low and high
+ * nibbles (positions 0..15 and 16..31 of each block) become two registers of unsigned values, and two
+ * vpdpbusd chains against the group's activations (laid out to match, quant_int8.h) give lanes 0..3 and
+ * 4..7 of the four blocks; block c of the group adds into 128-bit lane c of the low and high
+ * accumulators (the four chains of the canonical order), scaled by its own product. */
 static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *m, int64_t row0, const int R,
                                                           const ms_mxfp4x *x, int64_t nb, int32_t nan_bits,
                                                           const __m512i ulut, float *out) {
     const uint8_t *w[4], *s[4];
-    __m512 acc[4], dd[4];
+    __m512 lo[4], hi[4], dd[4];
     for (int r = 0; r < R; r++) {
         w[r] = m->data + (row0 + r) * m->row_bytes;
         s[r] = ms_mxfp4_scale_row(m, row0 + r);
-        acc[r] = _mm512_setzero_ps();
+        lo[r] = hi[r] = _mm512_setzero_ps();
     }
     const int64_t ahead = 4 * m->row_bytes;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
         __mmask16 km = (__mmask16)((1u << n) - 1);
@@ -89,35 +102,42 @@ static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *
             __m128i s8 = n == 16 ? _mm_loadu_si128((const __m128i *)(s[r] + b0)) : _mm_maskz_loadu_epi8(km, s[r] + b0);
             dd[r] = _mm512_mul_ps(e8m0_half16(s8, nan_bits), xd);
         }
-        __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        int k = 0;
-        for (; k + 2 <= n; k += 2, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
-            int64_t b = b0 + k;
-            if ((k & 3) == 0)
-                for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[r] + 16 * b + ahead), _MM_HINT_T0);
-            __m512i p0 = _mm512_loadu_si512(x->p0 + 32 * b), p1 = _mm512_loadu_si512(x->p1 + 32 * b);
-            __m512i p2 = _mm512_loadu_si512(x->p2 + 32 * b), off = _mm512_loadu_si512(x->off + 8 * b);
-            for (int r = 0; r < R; r++) {
-                __m512i u = _mm512_shuffle_epi8(ulut, pair_nibbles(w[r] + 16 * b));
-                __m512 t = _mm512_cvtepi32_ps(mx_pair(u, p0, p1, p2, off));
-                acc[r] = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(idx, dd[r]), acc[r]);
+        for (int k = 0; k < n; k += 4) {
+            const int64_t b = b0 + k; /* a multiple of 4: the start of a group */
+            const int g = n - k < 4 ? n - k : 4;
+            /* block c's scale product in 128-bit lane c */
+            const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(k), quad);
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[r] + 16 * b + ahead), _MM_HINT_T0);
+            __m512i p0l, p1l, p2l, offl, p0h, p1h, p2h, offh, v[4];
+            if (g == 4) {
+                p0l = _mm512_loadu_si512(x->p0 + 32 * b), p0h = _mm512_loadu_si512(x->p0 + 32 * b + 64);
+                p1l = _mm512_loadu_si512(x->p1 + 32 * b), p1h = _mm512_loadu_si512(x->p1 + 32 * b + 64);
+                p2l = _mm512_loadu_si512(x->p2 + 32 * b), p2h = _mm512_loadu_si512(x->p2 + 32 * b + 64);
+                offl = _mm512_loadu_si512(x->off + 8 * b), offh = _mm512_loadu_si512(x->off + 8 * b + 16);
+                for (int r = 0; r < R; r++) v[r] = _mm512_loadu_si512(w[r] + 16 * b);
+            } else { /* the last, shorter group: its halves are 16 g bytes long */
+                const __mmask64 kb = ((__mmask64)1 << (16 * g)) - 1;
+                const __mmask16 kl = (__mmask16)((1u << (4 * g)) - 1);
+                const int64_t h = 16 * g; /* where the high halves start */
+                int8_t *const q0 = x->p0 + 32 * b, *const q1 = x->p1 + 32 * b, *const q2 = x->p2 + 32 * b;
+                p0l = _mm512_maskz_loadu_epi8(kb, q0), p0h = _mm512_maskz_loadu_epi8(kb, q0 + h);
+                p1l = _mm512_maskz_loadu_epi8(kb, q1), p1h = _mm512_maskz_loadu_epi8(kb, q1 + h);
+                p2l = _mm512_maskz_loadu_epi8(kb, q2), p2h = _mm512_maskz_loadu_epi8(kb, q2 + h);
+                offl = _mm512_maskz_loadu_epi32(kl, x->off + 8 * b);
+                offh = _mm512_maskz_loadu_epi32(kl, x->off + 8 * b + 4 * g);
+                for (int r = 0; r < R; r++) v[r] = _mm512_maskz_loadu_epi8(kb, w[r] + 16 * b);
             }
-        }
-        if (k < n) { /* the last block of an odd count: an even block, the low half */
-            int64_t b = b0 + k;
-            __m256i p0 = _mm256_loadu_si256((const __m256i *)(x->p0 + 32 * b));
-            __m256i p1 = _mm256_loadu_si256((const __m256i *)(x->p1 + 32 * b));
-            __m256i p2 = _mm256_loadu_si256((const __m256i *)(x->p2 + 32 * b));
-            __m256i off = _mm256_loadu_si256((const __m256i *)(x->off + 8 * b));
+            const __mmask16 lanes = g == 4 ? (__mmask16)0xFFFF : (__mmask16)((1u << (4 * g)) - 1);
             for (int r = 0; r < R; r++) {
-                __m256i u = _mm256_shuffle_epi8(_mm512_castsi512_si256(ulut), one_nibbles(w[r] + 16 * b));
-                __m512 t = _mm512_castps256_ps512(_mm256_cvtepi32_ps(mx_one(u, p0, p1, p2, off)));
-                __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(k), dd[r]);
-                acc[r] = _mm512_mask3_fmadd_ps(t, d, acc[r], (__mmask16)0x00FF);
+                __m512i ul = _mm512_shuffle_epi8(ulut, _mm512_and_si512(v[r], m4));
+                __m512i uh = _mm512_shuffle_epi8(ulut, _mm512_and_si512(_mm512_srli_epi16(v[r], 4), m4));
+                __m512 d = _mm512_permutexvar_ps(idx, dd[r]);
+                lo[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(mx_pair(ul, p0l, p1l, p2l, offl)), d, lo[r], lanes);
+                hi[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(mx_pair(uh, p0h, p1h, p2h, offh)), d, hi[r], lanes);
             }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = finish(acc[r]);
+    for (int r = 0; r < R; r++) out[r] = finish4(lo[r], hi[r]);
 }
 
 static VNNI void mxfp4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
