@@ -9,8 +9,9 @@
  * the lanes are reduced as a fixed tree at the end. q4_k's minimum terms are summed apart in 4 lanes, lane l
  * taking dmin * d(x) times the exact mins * bsums of sub-blocks 2l and 2l + 1 (the lanes of madd) by a
  * fused multiply-add per block, reduced as (l0 + l1) + (l2 + l3) and taken off the row's sum.
- * q8_0, int4 and mxfp4 keep two sets of 8 lanes, for the even and the odd blocks, added before the tree
- * (two chains of fused multiply-adds instead of one; two blocks fill a 512-bit register). */
+ * q8_0 and int4 keep two sets of 8 lanes, for the even and the odd blocks, added before the tree (two
+ * chains of fused multiply-adds instead of one; two blocks fill a 512-bit register); mxfp4 keeps four, by
+ * block number mod 4, added as (set 0 + set 1) + (set 2 + set 3) (four blocks fill a pair of registers). */
 #include <float.h>
 #include <math.h>
 #include <string.h>

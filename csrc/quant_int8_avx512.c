@@ -1,7 +1,8 @@
-/* AVX-512 integer kernels: mxfp4 and int4 with VNNI (vpdpbusd), two blocks per 512-bit register, even
- * blocks in the low half and odd ones in the high half (on an AVX-512 CPU without VNNI the AVX2 kernels
- * run instead); q4_k and q6_k (decode and gemm) with AVX-512BW, two sub-blocks (chunks) per register.
- * The same exact lane integers and the same canonical float order as the scalar path (quant_int8.c). */
+/* AVX-512 integer kernels: mxfp4, int4 and q8_0 with VNNI (vpdpbusd; mxfp4 four blocks per register pair,
+ * low and high nibbles apart; int4 and q8_0 two blocks per register, even blocks in the low half and odd
+ * ones in the high half; on an AVX-512 CPU without VNNI the AVX2 kernels run instead); q4_k and q6_k
+ * (decode and gemm) with AVX-512BW, two sub-blocks (chunks) per register. The same exact lane integers
+ * and the same canonical float order as the scalar path (quant_int8.c). */
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 #include <immintrin.h>
 #include <string.h>
