@@ -350,3 +350,21 @@ def test_moe_token_alone_equals_its_row_of_the_batch():
     ]
     want = np.concatenate(glu_many([(e, x[:1]) for e in odd], Ctx()))
     assert glu_one_x(odd, x[:1], Ctx()).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+def test_sigmoid_router_row_alone_equals_batch(n_group, topk_group):
+    """DeepSeek-V3 / Kimi routing of one token (its own row path) picks the same experts with the same
+    weight bits as the same token in a batch, with and without groups, bias and renormalisation."""
+    from moestream.models.base import Ctx, SigmoidGroupRouter
+
+    rng = np.random.default_rng(9)
+    gate = make_weight("bf16", 16, 64, seed=2)
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    for bias in (None, (0.3 * rng.standard_normal(16)).astype(np.float32)):
+        for renormalize in (True, False):
+            router = SigmoidGroupRouter(gate, bias, 3, n_group, topk_group, renormalize, 2.5)
+            bidx, bw = router(x, Ctx())
+            for t in range(6):
+                idx, w = router(x[t : t + 1], Ctx())
+                assert idx.tolist() == bidx[t : t + 1].tolist() and w.tobytes() == bw[t : t + 1].tobytes()

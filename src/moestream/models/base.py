@@ -559,6 +559,8 @@ class SigmoidGroupRouter:
         scores = sigmoid(self.gate.matmul(x, ctx.threads))  # [T, n_experts]
         choice = scores + self.bias if self.bias is not None else scores.copy()
         T, n = choice.shape
+        if T == 1:
+            return self._one_row(scores[0], choice[0])
         if self.n_group > 1:
             grouped = choice.reshape(T, self.n_group, n // self.n_group)
             top2 = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)  # [T, n_group]
@@ -571,6 +573,21 @@ class SigmoidGroupRouter:
         if self.renormalize:
             w = w / (np.sum(w, axis=-1, keepdims=True) + np.float32(1e-20))
         return idx, (w * self.scaling).astype(np.float32)
+
+    def _one_row(self, scores: np.ndarray, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The same selection for one token (scores, choice [n_experts]) with the same numpy operations on
+        the row, without the batch helpers (take_along_axis, put_along_axis)."""
+        n = choice.shape[0]
+        if self.n_group > 1:
+            top2 = -np.sort(-choice.reshape(self.n_group, n // self.n_group), axis=-1)[:, :2].sum(-1)  # [n_group]
+            mask = np.zeros(self.n_group, bool)
+            mask[np.argsort(-top2, kind="stable")[: self.topk_group]] = True
+            choice = np.where(np.repeat(mask, n // self.n_group), choice, -np.inf)
+        idx = np.argsort(-choice, kind="stable")[: self.top_k]
+        w = scores[idx]
+        if self.renormalize:
+            w = w / (w.sum() + np.float32(1e-20))
+        return idx[None], (w * self.scaling).astype(np.float32)[None]
 
 
 @dataclass
