@@ -342,14 +342,8 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
 
 void ms_gemm_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                        float *out, int64_t out_stride) {
-    int64_t nb = m->cols / 256;
-    if (!grow((void **)&q4k_buf, &q4k_cap, nrows * nb, sizeof(q4k_unpacked)) ||
-        !grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group))) {
-        dot4_per_token(ms_dot4_q4_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
-        return;
-    }
-    q4k_unpack_tile(m, row0, nrows, nb, q4k_buf);
-    TOKEN_GROUPS(q4k_tokens, q4k_buf);
+    GEMM_OVER_TILE(q4k_buf, q4k_cap, q4k_unpack_tile, q4k_tokens, ms_dot4_q4_k_avx2,
+                   grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group)));
 }
 
 /* ---- activation quantization (the same bytes as quantize_run in quant_int8.c) ------------------ */
@@ -446,13 +440,7 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
 
 void ms_gemm_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                        float *out, int64_t out_stride) {
-    int64_t nb = m->cols / 256;
-    if (!grow((void **)&q6k_buf, &q6k_cap, nrows * nb, sizeof(q6k_unpacked))) {
-        dot4_per_token(ms_dot4_q6_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
-        return;
-    }
-    q6k_unpack_tile(m, row0, nrows, nb, q6k_buf);
-    TOKEN_GROUPS(q6k_tokens, q6k_buf);
+    GEMM_OVER_TILE(q6k_buf, q6k_cap, q6k_unpack_tile, q6k_tokens, ms_dot4_q6_k_avx2, 1);
 }
 
 void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp) {

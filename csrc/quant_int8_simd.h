@@ -106,6 +106,21 @@ static inline void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t r
         }                                                                                               \
     } while (0)
 
+/* The body of a gemm (m, row0, nrows, xp, stride, T, out, out_stride) over a 256-block tile unpacked
+ * once: this thread's buffer BUF (capacity CAP) grown to the tile, and EXTRA_OK (any further buffer, or 1),
+ * else the decode kernel DOT4 token by token; the tile unpacked by UNPACK, then TOKENS for the tokens in
+ * groups (TOKEN_GROUPS). */
+#define GEMM_OVER_TILE(BUF, CAP, UNPACK, TOKENS, DOT4, EXTRA_OK)                                       \
+    do {                                                                                           \
+        int64_t nb = m->cols / 256;                                                                \
+        if (!grow((void **)&BUF, &CAP, nrows * nb, sizeof(*BUF)) || !(EXTRA_OK)) {                 \
+            dot4_per_token(DOT4, m, row0, nrows, xp, stride, T, out, out_stride);                  \
+            return;                                                                                \
+        }                                                                                          \
+        UNPACK(m, row0, nrows, nb, BUF);                                                           \
+        TOKEN_GROUPS(TOKENS, BUF);                                                                 \
+    } while (0)
+
 /* The rows [row0, row0 + nrows) of a q4_k matrix unpacked block by block into buf[r * nb + b]. */
 static inline void q4k_unpack_tile(const ms_matrix *m, int64_t row0, int nrows, int64_t nb, q4k_unpacked *buf) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);

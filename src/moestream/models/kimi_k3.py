@@ -186,8 +186,8 @@ def attn_res(
     """Attention residual: softmax over sources of <rms(s_i), f>, applied to the raw sources. normed: the
     res_normed of every source but the last, when the caller keeps them (completed blocks are scored by
     every later layer)."""
-    rows = [*(normed if normed is not None else [res_normed(s, eps) for s in sources[:-1]])]
-    rows.append(res_normed(sources[-1], eps))
+    kept = normed if normed is not None else [res_normed(s, eps) for s in sources[:-1]]
+    rows = [*kept, res_normed(sources[-1], eps)]
     scores = np.empty((len(sources), sources[0].shape[0]), np.float32)  # [n, T]
     for i, r in enumerate(rows):
         np.add.reduce(r * f, axis=-1, out=scores[i])

@@ -152,8 +152,9 @@ def matmul_many(products: Sequence[tuple[Weight, np.ndarray, np.ndarray]], threa
     """out = x @ W.T for each (W, x [T, cols] f32, out [T, rows] f32 C-contiguous) in one parallel pass of the
     kernels: one hand-off to the threads instead of one per product, and the activations prepared once for
     the products that share x. Each out holds the same bits as W.matmul(x)."""
-    for w, _, _ in products:
+    args = []
+    for w, x, out in products:
         if w._validate is not None:
             w._ready()
-    # the kernel checks that x and out are C-contiguous float32 and that every size adds up
-    _C.matmul_many([(w.fmt.id, w.data, w.scales, w.rows, w.cols, x, out) for w, x, out in products], threads)
+        args.append((w.fmt.id, w.data, w.scales, w.rows, w.cols, x, out))
+    _C.matmul_many(args, threads)  # it checks that x and out are C-contiguous float32 and every size adds up
