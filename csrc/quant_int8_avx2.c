@@ -279,8 +279,6 @@ typedef struct {
     __m256 d[2];      /* their d, likewise */
 } q4k_group;
 
-static _Thread_local q4k_unpacked *q4k_buf;
-static _Thread_local int64_t q4k_cap;
 static _Thread_local q4k_group *q4k_grp;
 static _Thread_local int64_t q4k_grp_cap;
 
@@ -405,8 +403,6 @@ void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp) {
     }
 }
 
-static _Thread_local q6k_unpacked *q6k_buf;
-static _Thread_local int64_t q6k_cap;
 
 /* nt (1..4) tokens against the unpacked rows of a tile, each unpacked vector loaded once for all of them. */
 static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked *buf, int64_t nb, int nrows,

@@ -295,8 +295,6 @@ typedef struct {
     __m512 d;      /* token i's d in 128-bit lane i */
 } q4k_group;
 
-static _Thread_local q4k_unpacked *q4k_buf;
-static _Thread_local int64_t q4k_cap;
 static _Thread_local q4k_group *q4k_grp;
 static _Thread_local int64_t q4k_grp_cap;
 
@@ -363,8 +361,6 @@ void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char
 /* q6_k against several tokens: the tile unpacked as for AVX2, then per token two 32-value chunks per
  * register, (v - 32) x as maddubs(v, x) - 32 x, madd by the four 16-value sub-blocks' scales; the halves
  * are added at the end of the block, so every token's lanes are those of ms_dot4_q6_k_avx2. */
-static _Thread_local q6k_unpacked *q6k_buf;
-static _Thread_local int64_t q6k_cap;
 
 static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked *buf, int64_t nb, int nrows,
                                                              const char *xp, int64_t stride, int nt, float *out,

@@ -106,6 +106,10 @@ static inline void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t r
         }                                                                                               \
     } while (0)
 
+/* Each thread's buffer of unpacked q4_k tiles (one per file that includes this header) */
+static _Thread_local q4k_unpacked *q4k_buf;
+static _Thread_local int64_t q4k_cap;
+
 /* The body of a gemm (m, row0, nrows, xp, stride, T, out, out_stride) over a 256-block tile unpacked
  * once: this thread's buffer BUF (capacity CAP) grown to the tile, and EXTRA_OK (any further buffer, or 1),
  * else the decode kernel DOT4 token by token; the tile unpacked by UNPACK, then TOKENS for the tokens in
@@ -164,6 +168,10 @@ typedef struct {
     float d;
     float pad[7];
 } q6k_unpacked;
+
+/* Each thread's buffer of unpacked q6_k tiles (one per file that includes this header) */
+static _Thread_local q6k_unpacked *q6k_buf;
+static _Thread_local int64_t q6k_cap;
 
 /* The rows [row0, row0 + nrows) of a q6_k matrix unpacked block by block into buf[r * nb + b]. */
 static inline void q6k_unpack_tile(const ms_matrix *m, int64_t row0, int nrows, int64_t nb, q6k_unpacked *buf) {
