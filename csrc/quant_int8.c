@@ -10,8 +10,8 @@
  * taking dmin * d(x) times the exact mins * bsums of sub-blocks 2l and 2l + 1 (the lanes of madd) by a
  * fused multiply-add per block, reduced as (l0 + l1) + (l2 + l3) and taken off the row's sum.
  * q8_0 and int4 keep two sets of 8 lanes, for the even and the odd blocks, added before the tree (two
- * chains of fused multiply-adds instead of one; two blocks fill a 512-bit register); mxfp4 keeps four, by
- * block number mod 4, added as (set 0 + set 1) + (set 2 + set 3) (four blocks fill a pair of registers). */
+ * chains of fused multiply-adds instead of one; two blocks fill a 512-bit register); mxfp4 keeps four sets of
+ * 4 lanes, by block number mod 4, added as (set 0 + set 1) + (set 2 + set 3) (four blocks fill a register). */
 #include <float.h>
 #include <math.h>
 #include <string.h>
@@ -176,12 +176,13 @@ void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
  * Each 32-block of activations becomes x ~ q * d with d = 2^(e-20) for amax < 2^e, so |q| <= 2^20 and
  * |x - q d| <= 2^-20 of the block's max (float accuracy for a dot product), the integer q written as
  * three int8 digits (quant_int8.h). Doubled E2M1 values are small integers (|k| <= 12), so a lane's sum
- * S = sum k q over its four positions is exact in int32 (|S| < 2^26); the SIMD kernels get it as
+ * S = sum k q over its eight positions is exact in int32 (|S| < 2^27); the SIMD kernels get it as
  * ((A0 * 2^7 + A1) * 2^7 + A2) - off from the digit dot products A of the unsigned k + 12.
- * Canonical order: lane L of block b holds positions 4L..4L+3 of the nibble order; it is added as
- * acc[8 * (b % 4) + L] = fma((float)S, dd, acc[...]) with dd = 2^(s-128) * d (a power of two), in block
- * order (four chains: four blocks fill a 512-bit register pair, low and high nibbles apart); the row's
- * result is ms_lanes8_reduce of (acc[L] + acc[8 + L]) + (acc[16 + L] + acc[24 + L]). */
+ * Canonical order: lane L (0..3) of block b holds positions 4L..4L+3 and 16+4L..16+4L+3 of the nibble
+ * order (a low-nibble lane and its high-nibble twin, summed in the integer); it is added as
+ * acc[4 * (b % 4) + L] = fma((float)S, dd, acc[...]) with dd = 2^(s-128) * d (a power of two), in block
+ * order (four chains: four blocks fill a 512-bit register); with f[L] = (acc[L] + acc[4 + L]) +
+ * (acc[8 + L] + acc[12 + L]), the row's result is (f[0] + f[2]) + (f[1] + f[3]). */
 
 void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
     int64_t nb = n / 32;
@@ -194,7 +195,7 @@ void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
             amax = fmaxf(amax, fabsf(v[i]));
             finite &= fabsf(v[i]) <= FLT_MAX;
         }
-        for (int L = 0; L < 8; L++) o.off[ms_mxfp4x_lane(nb, b, L)] = 0;
+        for (int L = 0; L < 4; L++) o.off[4 * b + L] = 0;
         if (!finite || amax == 0.0f) { /* zeros: all zero; inf/nan anywhere: the block's sums become nan */
             for (int j = 0; j < 32; j++) {
                 int64_t at = ms_mxfp4x_pos(nb, b, j);
@@ -217,7 +218,7 @@ void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
             o.p0[at] = (int8_t)d0;
             o.p1[at] = (int8_t)d1;
             o.p2[at] = (int8_t)d2;
-            o.off[ms_mxfp4x_lane(nb, b, j / 4)] += 12 * q;
+            o.off[4 * b + (j % 16) / 4] += 12 * q;
         }
     }
 }
@@ -234,18 +235,19 @@ void ms_dot4_mxfp4_int_scalar(const ms_matrix *m, int64_t row0, int nrows, const
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const uint8_t *s8 = ms_mxfp4_scale_row(m, row0 + r);
-        float acc[32] = {0}, f[8];
+        float acc[16] = {0}, f[4];
         for (int64_t b = 0; b < nb; b++, w += 16) {
             float dd = ms_e8m0_half_lut[s8[b]] * x.d[b];
-            for (int L = 0; L < 8; L++) {
+            for (int L = 0; L < 4; L++) {
                 int32_t S = 0;
-                for (int j = 4 * L; j < 4 * L + 4; j++) /* position j: byte j % 16, low nibble if j < 16 */
-                    S += ms_e2m1_x2_lut[(w[j % 16] >> (j < 16 ? 0 : 4)) & 0x0F] * mx_q(&x, nb, b, j);
-                acc[8 * (b % 4) + L] = fmaf((float)S, dd, acc[8 * (b % 4) + L]);
+                for (int j = 4 * L; j < 4 * L + 4; j++) /* byte j: its low nibble is position j, its high j + 16 */
+                    S += ms_e2m1_x2_lut[w[j] & 0x0F] * mx_q(&x, nb, b, j) +
+                         ms_e2m1_x2_lut[w[j] >> 4] * mx_q(&x, nb, b, j + 16);
+                acc[4 * (b % 4) + L] = fmaf((float)S, dd, acc[4 * (b % 4) + L]);
             }
         }
-        for (int L = 0; L < 8; L++) f[L] = (acc[L] + acc[8 + L]) + (acc[16 + L] + acc[24 + L]);
-        out[r] = ms_lanes8_reduce(f);
+        for (int L = 0; L < 4; L++) f[L] = (acc[L] + acc[4 + L]) + (acc[8 + L] + acc[12 + L]);
+        out[r] = (f[0] + f[2]) + (f[1] + f[3]);
     }
 }
 

@@ -26,16 +26,16 @@ typedef struct {
  * the token): x ~ q * d[b] with the integer q (|q| <= 2^20) split into three int8 digits
  * q = p0 * 2^14 + p1 * 2^7 + p2 (each in -64..64) at the positions of the weights' nibble order
  * ([0..15]: the block's even columns, the low nibbles; [16..31]: the odd ones, the high nibbles), and
- * off = 12 * (sum of q over positions 4L..4L+3) per lane L: the share of the +12 that makes the doubled
- * E2M1 values unsigned (0..24) for maddubs / vpdpbusd. d[b] is a power of two (0: zero block; NaN:
- * inf/NaN). The blocks come in groups of four (the last may be shorter, n blocks): a group's low halves
- * (positions 0..15 of each block, 16 bytes each) and then its high halves, so that the 64 weight bytes of
- * four blocks, split into low and high nibbles, meet their activations in two 512-bit loads; off likewise
- * (lanes 0..3 of each block, then lanes 4..7). ms_mxfp4x_pos and ms_mxfp4x_lane give the places. */
-#define MS_MXFP4X_BYTES 132
+ * off[4b + L] = 12 * (sum of q over positions 4L..4L+3 and 16+4L..16+4L+3), lane L's share of the +12 that
+ * makes the doubled E2M1 values unsigned (0..24) for maddubs / vpdpbusd. d[b] is a power of two (0: zero
+ * block; NaN: inf/NaN). The digits come in groups of four blocks (the last may be shorter, n blocks): a
+ * group's low halves (positions 0..15 of each block, 16 bytes each) and then its high halves, so that the
+ * 64 weight bytes of four blocks, split into low and high nibbles, meet their activations in two 512-bit
+ * loads. ms_mxfp4x_pos gives the places. */
+#define MS_MXFP4X_BYTES 116
 typedef struct {
     int8_t *p0, *p1, *p2; /* [nb * 32] */
-    int32_t *off;         /* [nb * 8] */
+    int32_t *off;         /* [nb * 4] */
     float *d;             /* [nb] */
 } ms_mxfp4x;
 
@@ -45,16 +45,10 @@ static inline int64_t ms_mxfp4x_pos(int64_t nb, int64_t b, int i) {
     return 128 * g + (i < 16 ? 16 * j + i : 16 * n + 16 * j + (i - 16));
 }
 
-/* Index in off of lane L (0..7) of block b of nb. */
-static inline int64_t ms_mxfp4x_lane(int64_t nb, int64_t b, int L) {
-    int64_t g = b / 4, j = b % 4, n = nb - 4 * g < 4 ? nb - 4 * g : 4;
-    return 32 * g + (L < 4 ? 4 * j + L : 4 * n + 4 * j + (L - 4));
-}
-
 static inline ms_mxfp4x ms_mxfp4x_at(const float *xp, int64_t nb) {
     char *base = (char *)xp;
     ms_mxfp4x v = {(int8_t *)base, (int8_t *)base + 32 * nb, (int8_t *)base + 64 * nb,
-                   (int32_t *)(base + 96 * nb), (float *)(base + 128 * nb)};
+                   (int32_t *)(base + 96 * nb), (float *)(base + 112 * nb)};
     return v;
 }
 

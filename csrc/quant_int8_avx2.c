@@ -144,38 +144,9 @@ void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
 }
 
 /* mxfp4 x three-digit int8 activations (see quant_int8.c): a byte shuffle makes the nibbles the unsigned
- * doubled E2M1 values k + 12 (0..24), so maddubs against a digit (|p| <= 64) stays in int16 and madd by
- * 2^14, 2^7 and 1 puts each digit's share of lane L's sum in int32 lane L. */
-typedef struct {
-    __m256i p0, p1, p2, off;
-} mx_act;
-
-/* 32 bytes of block b from a grouped array (quant_int8.h): its low half (positions 0..15 or lanes 0..3)
- * and its high half, at their places. */
-static inline __m256i mx_halves(const void *arr, int size, int64_t lo, int64_t hi) {
-    return _mm256_loadu2_m128i((const __m128i *)((const char *)arr + size * hi),
-                               (const __m128i *)((const char *)arr + size * lo));
-}
-
-/* block c of the group of n blocks starting at block b0 (a multiple of 4): ms_mxfp4x_pos and _lane */
-static inline mx_act mx_load(const ms_mxfp4x *x, int64_t b0, int n, int c) {
-    int64_t lo = 32 * b0 + 16 * c, hi = lo + 16 * n, olo = 8 * b0 + 4 * c, ohi = olo + 4 * n;
-    mx_act a = {mx_halves(x->p0, 1, lo, hi), mx_halves(x->p1, 1, lo, hi), mx_halves(x->p2, 1, lo, hi),
-                mx_halves(x->off, 4, olo, ohi)};
-    return a;
-}
-
-/* One block's 8 exact lane sums (lanes 0..7 of the canonical order): its 16 bytes broadcast to both
- * 128-bit lanes, the high lane shifted, give the nibbles in nibble order. */
-static inline __m256i mxfp4_sums(const uint8_t *w, const mx_act *x, __m256i ulut) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), shift = _mm256_setr_epi64x(0, 0, 4, 4);
-    __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
-    __m256i u = _mm256_shuffle_epi8(ulut, _mm256_and_si256(_mm256_srlv_epi64(bytes, shift), low4));
-    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x->p0), _mm256_set1_epi16(16384));
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x->p1), _mm256_set1_epi16(128)));
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x->p2), _mm256_set1_epi16(1)));
-    return _mm256_sub_epi32(s, x->off);
-}
+ * doubled E2M1 values k + 12 (0..24), so maddubs against a digit (|p| <= 64) stays in int16 (a low-nibble
+ * pair and its high-nibble twin added: |.| <= 6144), and madd by 2^14, 2^7 and 1 puts each digit's share
+ * of lane L's sum in int32 lane L. */
 
 /* The doubled E2M1 values plus 12, in both lanes (a byte shuffle table). */
 static inline __m256i mx_unsigned_lut(void) {
@@ -184,32 +155,35 @@ static inline __m256i mx_unsigned_lut(void) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
 }
 
-/* The exact lane sums of u (unsigned k + 12) against the three digits at p0, p1, p2 less off. */
-static inline __m256i mx_sum(__m256i u, const int8_t *p0, const int8_t *p1, const int8_t *p2, const int32_t *off) {
-    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)p0)),
-                                  _mm256_set1_epi16(16384));
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)p1)),
-                                              _mm256_set1_epi16(128)));
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)p2)),
-                                              _mm256_set1_epi16(1)));
-    return _mm256_sub_epi32(s, _mm256_loadu_si256((const __m256i *)off));
+/* One digit's share: its int16 pair sums of the low nibbles (ul) against lo and the high ones (uh) against
+ * hi, added, then by madd times the digit's weight. */
+static inline __m256i mx_digit(__m256i ul, __m256i uh, const int8_t *lo, const int8_t *hi, short weight) {
+    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(ul, _mm256_loadu_si256((const __m256i *)lo)),
+                                 _mm256_maddubs_epi16(uh, _mm256_loadu_si256((const __m256i *)hi)));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(weight));
+}
+
+static inline __m128i mx_digit1(__m128i ul, __m128i uh, const int8_t *lo, const int8_t *hi, short weight) {
+    __m128i s = _mm_add_epi16(_mm_maddubs_epi16(ul, _mm_loadu_si128((const __m128i *)lo)),
+                              _mm_maddubs_epi16(uh, _mm_loadu_si128((const __m128i *)hi)));
+    return _mm_madd_epi16(s, _mm_set1_epi16(weight));
 }
 
 /* R rows (1 or 2) at once. A row keeps the four chains of the canonical order (block b into chain b % 4)
- * in four registers: lo[h] holds lanes 0..3 of chains 2h and 2h + 1 (one per 128-bit lane), hi[h] their
- * lanes 4..7. A full group's blocks 2h, 2h + 1 are 32 contiguous weight bytes whose low and high nibbles
- * meet 32 contiguous activation bytes each (the grouped layout); a shorter last group goes block by
- * block, each half of its sums blended into its chain's lane. */
+ * in two registers: acc[h] holds chains 2h and 2h + 1, one per 128-bit lane. A full group's blocks 2h,
+ * 2h + 1 are 32 contiguous weight bytes whose low and high nibbles meet 32 contiguous activation bytes
+ * each (the grouped layout); a shorter last group goes block by block, in 128 bits, its sums blended into
+ * its chain's lane. */
 static inline __attribute__((always_inline)) void mx_rows_avx2(const ms_matrix *m, int64_t row0, const int R,
                                                                const ms_mxfp4x *x, int64_t nb, __m256i ulut,
                                                                float *out) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const uint8_t *w[2], *s[2];
-    __m256 lo[2][2], hi[2][2];
+    __m256 acc[2][2];
     for (int r = 0; r < R; r++) {
         w[r] = m->data + (row0 + r) * m->row_bytes;
         s[r] = ms_mxfp4_scale_row(m, row0 + r);
-        lo[r][0] = lo[r][1] = hi[r][0] = hi[r][1] = _mm256_setzero_ps();
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     }
     const int64_t ahead = 4 * m->row_bytes;
     int64_t b0 = 0;
@@ -219,45 +193,45 @@ static inline __attribute__((always_inline)) void mx_rows_avx2(const ms_matrix *
             if ((b0 & 63) == 0) _mm_prefetch((const char *)(s[r] + b0 + 4 * nb), _MM_HINT_T0); /* next tile's */
         }
         for (int h = 0; h < 2; h++) {
-            const int64_t b = b0 + 2 * h, at = 32 * b0 + 32 * h, oat = 8 * b0 + 8 * h;
+            const int64_t b = b0 + 2 * h, lo = 32 * b0 + 32 * h, hi = lo + 64;
+            const __m256i off = _mm256_loadu_si256((const __m256i *)(x->off + 4 * b));
             for (int r = 0; r < R; r++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(w[r] + 16 * b));
                 __m256i ul = _mm256_shuffle_epi8(ulut, _mm256_and_si256(v, m4));
                 __m256i uh = _mm256_shuffle_epi8(ulut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
                 __m256 d = _mm256_set_m128(_mm_set1_ps(ms_e8m0_half_lut[s[r][b + 1]] * x->d[b + 1]),
                                            _mm_set1_ps(ms_e8m0_half_lut[s[r][b]] * x->d[b]));
-                __m256i tl = mx_sum(ul, x->p0 + at, x->p1 + at, x->p2 + at, x->off + oat);
-                __m256i th = mx_sum(uh, x->p0 + at + 64, x->p1 + at + 64, x->p2 + at + 64, x->off + oat + 16);
-                lo[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tl), d, lo[r][h]);
-                hi[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(th), d, hi[r][h]);
+                __m256i t = mx_digit(ul, uh, x->p0 + lo, x->p0 + hi, 16384);
+                t = _mm256_add_epi32(t, mx_digit(ul, uh, x->p1 + lo, x->p1 + hi, 128));
+                t = _mm256_add_epi32(t, mx_digit(ul, uh, x->p2 + lo, x->p2 + hi, 1));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t, off)), d, acc[r][h]);
             }
         }
     }
     const int n = (int)(nb - b0);
     for (int c = 0; c < n; c++) { /* the shorter last group */
-        const int64_t b = b0 + c;
-        const mx_act a = mx_load(x, b0, n, c);
+        const int64_t b = b0 + c, lo = 32 * b0 + 16 * c, hi = 32 * b0 + 16 * n + 16 * c;
+        const __m128i off = _mm_loadu_si128((const __m128i *)(x->off + 4 * b));
         for (int r = 0; r < R; r++) {
-            __m256 t = _mm256_cvtepi32_ps(mxfp4_sums(w[r] + 16 * b, &a, ulut)); /* lanes 0..3 | 4..7 */
+            __m128i v = _mm_loadu_si128((const __m128i *)(w[r] + 16 * b));
+            __m128i ul = _mm_shuffle_epi8(_mm256_castsi256_si128(ulut), _mm_and_si128(v, _mm256_castsi256_si128(m4)));
+            __m128i uh = _mm_shuffle_epi8(_mm256_castsi256_si128(ulut),
+                                          _mm_and_si128(_mm_srli_epi16(v, 4), _mm256_castsi256_si128(m4)));
+            __m128i t = mx_digit1(ul, uh, x->p0 + lo, x->p0 + hi, 16384);
+            t = _mm_add_epi32(t, mx_digit1(ul, uh, x->p1 + lo, x->p1 + hi, 128));
+            t = _mm_add_epi32(t, mx_digit1(ul, uh, x->p2 + lo, x->p2 + hi, 1));
+            __m128 tf = _mm_cvtepi32_ps(_mm_sub_epi32(t, off));
             __m256 d = _mm256_set1_ps(ms_e8m0_half_lut[s[r][b]] * x->d[b]);
-            const int h = c / 2;
-            if (c % 2 == 0) { /* the low 128-bit lane of the chain pair */
-                __m256 tl = t, th = _mm256_permute2f128_ps(t, t, 0x11);
-                lo[r][h] = _mm256_blend_ps(lo[r][h], _mm256_fmadd_ps(tl, d, lo[r][h]), 0x0F);
-                hi[r][h] = _mm256_blend_ps(hi[r][h], _mm256_fmadd_ps(th, d, hi[r][h]), 0x0F);
-            } else {
-                __m256 tl = _mm256_permute2f128_ps(t, t, 0x00), th = t;
-                lo[r][h] = _mm256_blend_ps(lo[r][h], _mm256_fmadd_ps(tl, d, lo[r][h]), 0xF0);
-                hi[r][h] = _mm256_blend_ps(hi[r][h], _mm256_fmadd_ps(th, d, hi[r][h]), 0xF0);
-            }
+            __m256 sum = _mm256_fmadd_ps(_mm256_set_m128(tf, tf), d, acc[r][c / 2]);
+            acc[r][c / 2] = c % 2 == 0 ? _mm256_blend_ps(acc[r][c / 2], sum, 0x0F) : _mm256_blend_ps(acc[r][c / 2], sum, 0xF0);
         }
     }
-    for (int r = 0; r < R; r++) { /* lane L: (chain 0 + chain 1) + (chain 2 + chain 3) */
-        __m256 c0 = _mm256_permute2f128_ps(lo[r][0], hi[r][0], 0x20); /* chain 0's lanes 0..7 */
-        __m256 c1 = _mm256_permute2f128_ps(lo[r][0], hi[r][0], 0x31);
-        __m256 c2 = _mm256_permute2f128_ps(lo[r][1], hi[r][1], 0x20);
-        __m256 c3 = _mm256_permute2f128_ps(lo[r][1], hi[r][1], 0x31);
-        out[r] = reduce8(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
+    for (int r = 0; r < R; r++) { /* lane L: (chain 0 + chain 1) + (chain 2 + chain 3), then (0 + 2) + (1 + 3) */
+        __m128 c01 = _mm_add_ps(_mm256_castps256_ps128(acc[r][0]), _mm256_extractf128_ps(acc[r][0], 1));
+        __m128 c23 = _mm_add_ps(_mm256_castps256_ps128(acc[r][1]), _mm256_extractf128_ps(acc[r][1], 1));
+        __m128 f = _mm_add_ps(c01, c23);
+        f = _mm_add_ps(f, _mm_movehl_ps(f, f));
+        out[r] = _mm_cvtss_f32(_mm_add_ss(f, _mm_movehdup_ps(f)));
     }
 }
 
@@ -498,7 +472,7 @@ void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp) {
             mx_store_halves(o.p0, 1, ms_mxfp4x_pos(nb, b, 0), ms_mxfp4x_pos(nb, b, 16), z);
             mx_store_halves(o.p1, 1, ms_mxfp4x_pos(nb, b, 0), ms_mxfp4x_pos(nb, b, 16), z);
             mx_store_halves(o.p2, 1, ms_mxfp4x_pos(nb, b, 0), ms_mxfp4x_pos(nb, b, 16), z);
-            mx_store_halves(o.off, 4, ms_mxfp4x_lane(nb, b, 0), ms_mxfp4x_lane(nb, b, 4), z);
+            _mm_storeu_si128((__m128i *)(o.off + 4 * b), _mm256_castsi256_si128(z));
             o.d[b] = finite ? 0.0f : NAN;
             continue;
         }
@@ -528,7 +502,8 @@ void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp) {
         s = _mm256_slli_epi32(s, 4);
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p1), _mm256_set1_epi16(128 * 12)));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p2), _mm256_set1_epi16(12)));
-        mx_store_halves(o.off, 4, ms_mxfp4x_lane(nb, b, 0), ms_mxfp4x_lane(nb, b, 4), s);
+        _mm_storeu_si128((__m128i *)(o.off + 4 * b), /* lane L and its high-nibble twin */
+                         _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
     }
 }
 

@@ -1,5 +1,5 @@
-/* AVX-512 integer kernels: mxfp4, int4 and q8_0 with VNNI (vpdpbusd; mxfp4 four blocks per register pair,
- * low and high nibbles apart; int4 and q8_0 two blocks per register, even blocks in the low half and odd
+/* AVX-512 integer kernels: mxfp4, int4 and q8_0 with VNNI (vpdpbusd; mxfp4 four blocks per register, their
+ * low and high nibbles in two registers summed in one chain; int4 and q8_0 two blocks per register, even blocks in the low half and odd
  * ones in the high half; on an AVX-512 CPU without VNNI the AVX2 kernels run instead); q4_k and q6_k
  * (decode and gemm) with AVX-512BW, two sub-blocks (chunks) per register. The same exact lane integers
  * and the same canonical float order as the scalar path (quant_int8.c). */
@@ -26,20 +26,17 @@ static inline __m512 e8m0_half16(__m128i s8, int32_t nan_bits) {
     return _mm512_castsi512_ps(bits);
 }
 
-/* Lane sums of one block pair (or, in 256 bits, one block): the unsigned values k + 12 against the three
- * digits, as ((A0 * 2^7 + A1) * 2^7 + A2) - off, exact in int32. */
-static inline VNNI __m512i mx_pair(__m512i u, __m512i p0, __m512i p1, __m512i p2, __m512i off) {
-    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, p0);
-    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), u, p1);
-    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), u, p2);
+/* The exact lane sums of four blocks (lane L of 128-bit lane c: block c's positions 4L..4L+3 and their
+ * high-nibble twins) from the unsigned values k + 12 of the low nibbles (ul) and the high ones (uh) against
+ * the three digits of the matching halves, as ((A0 * 2^7 + A1) * 2^7 + A2) - off, exact in int32. */
+static inline VNNI __m512i mx_quad(__m512i ul, __m512i uh, const __m512i p[6], __m512i off) {
+    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ul, p[0]);
+    t = _mm512_dpbusd_epi32(t, uh, p[1]);
+    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), ul, p[2]);
+    t = _mm512_dpbusd_epi32(t, uh, p[3]);
+    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), ul, p[4]);
+    t = _mm512_dpbusd_epi32(t, uh, p[5]);
     return _mm512_sub_epi32(t, off);
-}
-
-static inline VNNI __m256i mx_one(__m256i u, __m256i p0, __m256i p1, __m256i p2, __m256i off) {
-    __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, p0);
-    t = _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), u, p1);
-    t = _mm256_dpbusd_epi32(_mm256_slli_epi32(t, 7), u, p2);
-    return _mm256_sub_epi32(t, off);
 }
 
 /* The 32 bytes of two consecutive blocks of a row as the nibbles of both in nibble order: each block's 16
@@ -55,14 +52,14 @@ static inline __m256i one_nibbles(const uint8_t *w) {
     return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
-/* mxfp4's four chains: lane 4c + l of lo holds chain c's lane l, of hi its lane 4 + l; each lane L is
- * (chain 0 + chain 1) + (chain 2 + chain 3), then the fixed 8-lane tree. */
-static inline float finish4(__m512 lo, __m512 hi) {
-    lo = _mm512_add_ps(lo, _mm512_shuffle_f32x4(lo, lo, 0xB1)); /* 128-bit lanes 0+1 and 2+3 */
-    hi = _mm512_add_ps(hi, _mm512_shuffle_f32x4(hi, hi, 0xB1));
-    lo = _mm512_add_ps(lo, _mm512_shuffle_f32x4(lo, lo, 0x4E)); /* (0+1) + (2+3) in lane 0 */
-    hi = _mm512_add_ps(hi, _mm512_shuffle_f32x4(hi, hi, 0x4E));
-    return reduce8(_mm256_set_m128(_mm512_castps512_ps128(hi), _mm512_castps512_ps128(lo)));
+/* mxfp4's four chains, one per 128-bit lane: lane L is (chain 0 + chain 1) + (chain 2 + chain 3), then
+ * (lane 0 + lane 2) + (lane 1 + lane 3). */
+static inline float finish4(__m512 acc) {
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0xB1)); /* 128-bit lanes 0+1 and 2+3 */
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E)); /* (0+1) + (2+3) in lane 0 */
+    __m128 f = _mm512_castps512_ps128(acc);
+    f = _mm_add_ps(f, _mm_movehl_ps(f, f)); /* f0 + f2, f1 + f3 */
+    return _mm_cvtss_f32(_mm_add_ss(f, _mm_movehdup_ps(f)));
 }
 
 /* The even-block and odd-block accumulators of a row added, then the fixed 8-lane tree. */
@@ -78,19 +75,19 @@ static inline float finish(__m512 acc) {
  *
  * mxfp4, R rows (R a constant, so the row loops unroll): for each group of 16 blocks, the 16 products
  * 2^(s-128) * d of every row at once; per group of four blocks, a row's 64 bytes split into low and high
- * nibbles (positions 0..15 and 16..31 of each block) become two registers of unsigned values, and two
- * vpdpbusd chains against the group's activations (laid out to match, quant_int8.h) give lanes 0..3 and
- * 4..7 of the four blocks; block c of the group adds into 128-bit lane c of the low and high
- * accumulators (the four chains of the canonical order), scaled by its own product. */
+ * nibbles (positions 0..15 and 16..31 of each block) become two registers of unsigned values, and one
+ * vpdpbusd chain over both against the group's activations (laid out to match, quant_int8.h) gives the
+ * four lanes of each block; block c of the group adds into 128-bit lane c of the row's accumulator (the
+ * four chains of the canonical order), scaled by its own product. */
 static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *m, int64_t row0, const int R,
                                                           const ms_mxfp4x *x, int64_t nb, int32_t nan_bits,
                                                           const __m512i ulut, float *out) {
     const uint8_t *w[4], *s[4];
-    __m512 lo[4], hi[4], dd[4];
+    __m512 acc[4], dd[4];
     for (int r = 0; r < R; r++) {
         w[r] = m->data + (row0 + r) * m->row_bytes;
         s[r] = ms_mxfp4_scale_row(m, row0 + r);
-        lo[r] = hi[r] = _mm512_setzero_ps();
+        acc[r] = _mm512_setzero_ps();
     }
     const int64_t ahead = 4 * m->row_bytes;
     const __m512i m4 = _mm512_set1_epi8(0x0F), quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -109,23 +106,22 @@ static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *
             /* block c's scale product in 128-bit lane c */
             const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(k), quad);
             for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[r] + 16 * b + ahead), _MM_HINT_T0);
-            __m512i p0l, p1l, p2l, offl, p0h, p1h, p2h, offh, v[4];
+            int8_t *const q[3] = {x->p0 + 32 * b, x->p1 + 32 * b, x->p2 + 32 * b};
+            __m512i p[6], off, v[4];
             if (g == 4) {
-                p0l = _mm512_loadu_si512(x->p0 + 32 * b), p0h = _mm512_loadu_si512(x->p0 + 32 * b + 64);
-                p1l = _mm512_loadu_si512(x->p1 + 32 * b), p1h = _mm512_loadu_si512(x->p1 + 32 * b + 64);
-                p2l = _mm512_loadu_si512(x->p2 + 32 * b), p2h = _mm512_loadu_si512(x->p2 + 32 * b + 64);
-                offl = _mm512_loadu_si512(x->off + 8 * b), offh = _mm512_loadu_si512(x->off + 8 * b + 16);
+                for (int i = 0; i < 3; i++) {
+                    p[2 * i] = _mm512_loadu_si512(q[i]);
+                    p[2 * i + 1] = _mm512_loadu_si512(q[i] + 64);
+                }
+                off = _mm512_loadu_si512(x->off + 4 * b);
                 for (int r = 0; r < R; r++) v[r] = _mm512_loadu_si512(w[r] + 16 * b);
             } else { /* the last, shorter group: its halves are 16 g bytes long */
                 const __mmask64 kb = ((__mmask64)1 << (16 * g)) - 1;
-                const __mmask16 kl = (__mmask16)((1u << (4 * g)) - 1);
-                const int64_t h = 16 * g; /* where the high halves start */
-                int8_t *const q0 = x->p0 + 32 * b, *const q1 = x->p1 + 32 * b, *const q2 = x->p2 + 32 * b;
-                p0l = _mm512_maskz_loadu_epi8(kb, q0), p0h = _mm512_maskz_loadu_epi8(kb, q0 + h);
-                p1l = _mm512_maskz_loadu_epi8(kb, q1), p1h = _mm512_maskz_loadu_epi8(kb, q1 + h);
-                p2l = _mm512_maskz_loadu_epi8(kb, q2), p2h = _mm512_maskz_loadu_epi8(kb, q2 + h);
-                offl = _mm512_maskz_loadu_epi32(kl, x->off + 8 * b);
-                offh = _mm512_maskz_loadu_epi32(kl, x->off + 8 * b + 4 * g);
+                for (int i = 0; i < 3; i++) {
+                    p[2 * i] = _mm512_maskz_loadu_epi8(kb, q[i]);
+                    p[2 * i + 1] = _mm512_maskz_loadu_epi8(kb, q[i] + 16 * g);
+                }
+                off = _mm512_maskz_loadu_epi32((__mmask16)((1u << (4 * g)) - 1), x->off + 4 * b);
                 for (int r = 0; r < R; r++) v[r] = _mm512_maskz_loadu_epi8(kb, w[r] + 16 * b);
             }
             const __mmask16 lanes = g == 4 ? (__mmask16)0xFFFF : (__mmask16)((1u << (4 * g)) - 1);
@@ -133,12 +129,11 @@ static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *
                 __m512i ul = _mm512_shuffle_epi8(ulut, _mm512_and_si512(v[r], m4));
                 __m512i uh = _mm512_shuffle_epi8(ulut, _mm512_and_si512(_mm512_srli_epi16(v[r], 4), m4));
                 __m512 d = _mm512_permutexvar_ps(idx, dd[r]);
-                lo[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(mx_pair(ul, p0l, p1l, p2l, offl)), d, lo[r], lanes);
-                hi[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(mx_pair(uh, p0h, p1h, p2h, offh)), d, hi[r], lanes);
+                acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(mx_quad(ul, uh, p, off)), d, acc[r], lanes);
             }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = finish4(lo[r], hi[r]);
+    for (int r = 0; r < R; r++) out[r] = finish4(acc[r]);
 }
 
 static VNNI void mxfp4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
