@@ -644,22 +644,24 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
         for j in range(1, k):
             out += by_slot[j]
         return out
-    contrib: np.ndarray | None = None  # contrib[t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
-    # expert -> (its tokens, their top-k slots) in token order, as np.nonzero(idx == e) gives them: the
-    # flat (token, slot) indices grouped by expert with one stable sort
-    flat = np.argsort(idx.ravel(), kind="stable")
-    bounds = np.searchsorted(idx.ravel()[flat], [*ids, np.iinfo(np.int64).max]).tolist()
-    where = {e: (flat[a:b] // k, flat[a:b] % k) for e, a, b in zip(ids, bounds[:-1], bounds[1:], strict=True)}
+    contrib: np.ndarray | None = None  # [T * k, out]: row t * k + j = w[t, j] * expert_{idx[t, j]}(x[t])
+    # expert -> the flat indices t * k + j of its (token, slot) pairs in token order, as np.nonzero(idx == e)
+    # gives them: grouped by expert with one stable sort
+    flat_idx, flat_w = idx.ravel(), w.ravel()
+    flat = np.argsort(flat_idx, kind="stable")
+    bounds = np.searchsorted(flat_idx[flat], [*ids, np.iinfo(np.int64).max]).tolist()
+    pairs = {e: flat[a:b] for e, a, b in zip(ids, bounds[:-1], bounds[1:], strict=True)}
     for group in groups:
         if not group:
             continue
-        ys = glu_many([(expert, x[where[e][0]]) for e, expert in group], ctx)  # each [n, out]
+        ys = glu_many([(expert, x[pairs[e] // k]) for e, expert in group], ctx)  # each [n, out]
         if contrib is None:
-            contrib = np.empty((T, k, ys[0].shape[1]), np.float32)
-        tok = np.concatenate([where[e][0] for e, _ in group])
-        slot = np.concatenate([where[e][1] for e, _ in group])
-        contrib[tok, slot] = np.concatenate(ys) * w[tok, slot][:, None]
+            contrib = np.empty((T * k, ys[0].shape[1]), np.float32)
+        for (e, _), y in zip(group, ys, strict=True):
+            np.multiply(y, flat_w[pairs[e]][:, None], out=y)  # each expert's rows scaled and put in place
+            contrib[pairs[e]] = y
     assert contrib is not None
+    contrib = contrib.reshape(T, k, -1)
     out = contrib[:, 0].copy()
     for j in range(1, k):
         out += contrib[:, j]
