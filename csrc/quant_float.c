@@ -178,7 +178,7 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_Q4_K] = {"q4_k", 256, 144,
                  {ms_dot4_q4_k_scalar, ms_dot4_q4_k_avx2, ms_dot4_q4_k_avx512},
                  {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},
-                 {ms_prep_x_q8_k, ms_prep_x_q8_k_avx2, ms_prep_x_q8_k_avx2}, 0,
+                 {ms_prep_x_q8_k, ms_prep_x_q8_k_avx2, ms_prep_x_q8_k_avx2}, (int)sizeof(ms_q8_kx),
                  {NULL, ms_gemm_q4_k_avx2, ms_gemm_q4_k_avx512}},
     [MS_Q6_K] = {"q6_k", 256, 210,
                  {ms_dot4_q6_k_scalar, ms_dot4_q6_k_avx2, ms_dot4_q6_k_avx512},

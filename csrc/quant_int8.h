@@ -11,16 +11,18 @@ typedef struct {
 } ms_q8_0x; /* 36 bytes per 32 activations */
 
 typedef struct {
-    float d;
-    int8_t q[256];
+    int8_t q[256];    /* first, so that every 64-byte load of q is aligned (the records are 64-aligned) */
     int16_t bsums[8]; /* sums of q per 32 */
-} ms_q8_kx;           /* 276 bytes per 256 activations (<= 4 bytes each, so it fits the prep buffer) */
+    float d;
+    float pad[11];
+} ms_q8_kx;           /* 320 bytes per 256 activations */
 
 typedef struct {
     ms_q8_kx k;
     int16_t x32[128]; /* 32 * (q[2i] + q[2i+1]): the part of the q6_k sums that the -32 takes off, in the int16
                        * pair layout of maddubs, made once per token for every row */
-} ms_q6_kx;          /* 532 bytes per 256 activations */
+} ms_q6_kx;          /* 576 bytes per 256 activations */
+_Static_assert(sizeof(ms_q8_kx) % 64 == 0 && sizeof(ms_q6_kx) % 64 == 0, "q8_k records keep q 64-aligned");
 
 /* mxfp4 activations of one token, per 32-block b (MS_MXFP4X_BYTES each, as arrays over the nb blocks of
  * the token): x ~ q * d[b] with the integer q (|q| <= 2^20) split into three int8 digits

@@ -280,6 +280,21 @@ void ms_dot4_q8_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         ms_dot4_q8_0_avx2(m, row0, nrows, xp, out);
 }
 
+/* The block epilogue of tokens 2p and 2p + 1 of a gemm together: each token's two 256-bit halves of exact
+ * lane sums added (its 8 canonical lanes), token 2p's in the low half and 2p + 1's in the high half,
+ * converted and multiply-added with d (their scale products, likewise) into F: the float operations of
+ * each token's epilogue in the decode kernel, two tokens an instruction. */
+static inline __m512 pair_epilogue(__m512i a0, __m512i a1, __m512 d, __m512 F) {
+    __m512i lo = _mm512_shuffle_i64x2(a0, a1, 0x44), hi = _mm512_shuffle_i64x2(a0, a1, 0xEE);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), d, F);
+}
+
+/* Token i's running lanes from the pair accumulators F of pair_epilogue. */
+static inline __m256 pair_half(const __m512 *F, int i) {
+    return i % 2 == 0 ? _mm512_castps512_ps256(F[i / 2])
+                      : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(F[i / 2]), 1));
+}
+
 /* q4_k against several tokens: the tile unpacked as for AVX2 (quant_int8_simd.h), then per token two
  * sub-blocks per register: maddubs, and madd by the pair's scales (sub-block 2k's in the low half, 2k+1's in
  * the high half); the halves are added at the end of the block, exact integers. The block epilogue runs for
@@ -300,6 +315,8 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
     for (int k = 0; k < 4; k++)
         pair[k] = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(2 * k)),
                                           _mm512_set1_epi16((short)(2 * k + 1)));
+    const __m512i dpair[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
+                              _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 12, 12, 12, 12, 12, 12, 12, 12)};
     q4k_group *g = q4k_grp;
     for (int64_t b = 0; b < nb; b++) {
         __m512i bs = _mm512_setzero_si512();
@@ -315,9 +332,8 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
     }
     for (int r = 0; r < nrows; r++) {
         const q4k_unpacked *u = &buf[r * nb];
-        __m256 f[4];
+        __m512 F[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* tokens 2p, 2p + 1 in F[p] */
         __m512 fmin = _mm512_setzero_ps();
-        for (int i = 0; i < nt; i++) f[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, u++) {
             __m512i acc[4];
             for (int i = 0; i < nt; i++) acc[i] = _mm512_setzero_si512();
@@ -334,16 +350,15 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
             __m512i ms = _mm512_madd_epi16(_mm512_broadcast_i32x4(u->mn), g[b].bsums); /* token i: lane i */
             __m512 dm = _mm512_mul_ps(_mm512_set1_ps(u->dmin), g[b].d);
             fmin = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), dm, fmin);
-            __m512 dd = _mm512_mul_ps(_mm512_set1_ps(u->d), g[b].d);
-            for (int i = 0; i < nt; i++) {
-                __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]), _mm512_extracti64x4_epi64(acc[i], 1));
-                __m256 di = _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_set1_epi32(4 * i), dd));
-                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), di, f[i]);
+            __m512 dd = _mm512_mul_ps(_mm512_set1_ps(u->d), g[b].d); /* token i's in lane 4i */
+            for (int p = 0; 2 * p < nt; p++) {
+                const __m512i second = 2 * p + 1 < nt ? acc[2 * p + 1] : acc[2 * p]; /* (unused if absent) */
+                F[p] = pair_epilogue(acc[2 * p], second, _mm512_permutexvar_ps(dpair[p], dd), F[p]);
             }
         }
         float fm[16];
         _mm512_storeu_ps(fm, fmin);
-        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]) - ms_q4_k_min_reduce(&fm[4 * i]);
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(pair_half(F, i)) - ms_q4_k_min_reduce(&fm[4 * i]);
     }
 }
 
@@ -368,8 +383,7 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
     }
     for (int r = 0; r < nrows; r++) {
         const q6k_unpacked *u = &buf[r * nb];
-        __m256 f[4];
-        for (int i = 0; i < nt; i++) f[i] = _mm256_setzero_ps();
+        __m512 F[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* tokens 2p, 2p + 1 in F[p] */
         for (int64_t b = 0; b < nb; b++, u++) {
             __m512i acc[4];
             for (int i = 0; i < nt; i++) acc[i] = _mm512_setzero_si512();
@@ -384,13 +398,15 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
                     KEEP_IN_REGISTER(acc[i]);
                 }
             }
-            for (int i = 0; i < nt; i++) {
-                const ms_q6_kx *x = (const ms_q6_kx *)(xp + i * stride) + b;
-                __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]), _mm512_extracti64x4_epi64(acc[i], 1));
-                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(u->d * x->k.d), f[i]);
+            for (int p = 0; 2 * p < nt; p++) {
+                const int j = 2 * p + 1 < nt ? 2 * p + 1 : 2 * p; /* (unused if absent) */
+                const ms_q6_kx *x0 = (const ms_q6_kx *)(xp + 2 * p * stride) + b, *x1 = (const ms_q6_kx *)(xp + j * stride) + b;
+                const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(u->d * x0->k.d)),
+                                                                     _mm256_castps_pd(_mm256_set1_ps(u->d * x1->k.d)), 1));
+                F[p] = pair_epilogue(acc[2 * p], acc[j], d, F[p]);
             }
         }
-        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]);
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(pair_half(F, i));
     }
 }
 
