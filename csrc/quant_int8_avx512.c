@@ -372,6 +372,9 @@ void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char
  * register, (v - 32) x as maddubs(v, x) - 32 x, madd by the four 16-value sub-blocks' scales; the halves
  * are added at the end of the block, so every token's lanes are those of ms_dot4_q6_k_avx2. */
 
+static _Thread_local __m512 *q6k_grp; /* [nb][2]: per block, tokens 2p and 2p + 1's d in the halves of [p] */
+static _Thread_local int64_t q6k_grp_cap;
+
 static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked *buf, int64_t nb, int nrows,
                                                              const char *xp, int64_t stride, int nt, float *out,
                                                              int64_t out_stride) {
@@ -381,6 +384,15 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
                                              _mm512_set1_epi16((short)(2 * k + 1)));
         pair[k] = _mm512_mask_add_epi16(lo, 0xFF00FF00u, lo, _mm512_set1_epi16(8));
     }
+    __m512 *g = q6k_grp;
+    for (int64_t b = 0; b < nb; b++)
+        for (int p = 0; 2 * p < nt; p++) {
+            const int j = 2 * p + 1 < nt ? 2 * p + 1 : 2 * p; /* (unused if absent) */
+            const float d0 = ((const ms_q6_kx *)(xp + 2 * p * stride) + b)->k.d;
+            const float d1 = ((const ms_q6_kx *)(xp + j * stride) + b)->k.d;
+            g[2 * b + p] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(d0)),
+                                                               _mm256_castps_pd(_mm256_set1_ps(d1)), 1));
+        }
     for (int r = 0; r < nrows; r++) {
         const q6k_unpacked *u = &buf[r * nb];
         __m512 F[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* tokens 2p, 2p + 1 in F[p] */
@@ -398,12 +410,10 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
                     KEEP_IN_REGISTER(acc[i]);
                 }
             }
+            const __m512 wd = _mm512_set1_ps(u->d);
             for (int p = 0; 2 * p < nt; p++) {
                 const int j = 2 * p + 1 < nt ? 2 * p + 1 : 2 * p; /* (unused if absent) */
-                const ms_q6_kx *x0 = (const ms_q6_kx *)(xp + 2 * p * stride) + b, *x1 = (const ms_q6_kx *)(xp + j * stride) + b;
-                const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(u->d * x0->k.d)),
-                                                                     _mm256_castps_pd(_mm256_set1_ps(u->d * x1->k.d)), 1));
-                F[p] = pair_epilogue(acc[2 * p], acc[j], d, F[p]);
+                F[p] = pair_epilogue(acc[2 * p], acc[j], _mm512_mul_ps(wd, g[2 * b + p]), F[p]);
             }
         }
         for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(pair_half(F, i));
@@ -412,7 +422,8 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
 
 void ms_gemm_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride) {
-    GEMM_OVER_TILE(q6k_buf, q6k_cap, q6k_unpack_tile, q6k_tokens, ms_dot4_q6_k_avx2, 1);
+    GEMM_OVER_TILE(q6k_buf, q6k_cap, q6k_unpack_tile, q6k_tokens, ms_dot4_q6_k_avx2,
+                   grow((void **)&q6k_grp, &q6k_grp_cap, 2 * nb, sizeof(__m512)));
 }
 
 /* q6_k against one token: per half block, the 64 low-bit bytes and the 32 high-bit bytes (twice) give two
