@@ -9,9 +9,10 @@
  * the lanes are reduced as a fixed tree at the end. q4_k's minimum terms are summed apart in 4 lanes, lane l
  * taking dmin * d(x) times the exact mins * bsums of sub-blocks 2l and 2l + 1 (the lanes of madd) by a
  * fused multiply-add per block, reduced as (l0 + l1) + (l2 + l3) and taken off the row's sum.
- * q8_0 and int4 keep two sets of 8 lanes, for the even and the odd blocks, added before the tree (two
- * chains of fused multiply-adds instead of one; two blocks fill a 512-bit register); mxfp4 keeps four sets of
- * 4 lanes, by block number mod 4, added as (set 0 + set 1) + (set 2 + set 3) (four blocks fill a register). */
+ * q8_0 keeps two sets of 8 lanes, for the even and the odd blocks, added before the tree (two chains of
+ * fused multiply-adds instead of one; two blocks fill a 512-bit register); int4 keeps four sets of 8 lanes and
+ * mxfp4 four sets of 4, by block number mod 4, added as (set 0 + set 1) + (set 2 + set 3) (int4: two
+ * registers of two blocks; mxfp4: four blocks fill a register). */
 #include <float.h>
 #include <math.h>
 #include <string.h>
@@ -137,37 +138,36 @@ void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
 
 /* Activations in the weights' nibble order (low nibbles = even columns first), so that lane L takes
  * positions 4L..4L+3 of that order: the SIMD kernels multiply the nibbles (0..15) as they lie and
- * take 8 * sum(x) of the lane off, the same exact integer as sum((nibble - 8) * x). Like mxfp4's, the
- * even and odd blocks of a row go to separate accumulators (two blocks fill a 512-bit register). */
+ * take 8 * sum(x) of the lane off, the same exact integer as sum((nibble - 8) * x). Like mxfp4's, a row's
+ * blocks go to four sets of lanes by b % 4 (two blocks fill a 512-bit register, and two registers make two
+ * chains of fused multiply-adds, so that one row alone keeps the multiply-add units busy). */
 void ms_prep_x_int4(const float *x, int64_t n, float *xp) {
-    ms_int4x *b = (ms_int4x *)xp;
+    ms_int4x o = ms_int4x_at(xp, n / 32);
     for (int64_t i = 0; i < n / 32; i++) {
-        int8_t q[32];
-        quantize_run(x + 32 * i, 32, &b[i].d, q);
-        for (int p = 0; p < 32; p++) b[i].q[p] = q[p < 16 ? 2 * p : 2 * (p - 16) + 1];
-        for (int L = 0; L < 8; L++)
-            b[i].s8[L] = 8 * (b[i].q[4 * L] + b[i].q[4 * L + 1] + b[i].q[4 * L + 2] + b[i].q[4 * L + 3]);
-        ms_int4x_scales(xp, n / 32)[i] = b[i].d;
+        int8_t q[32], *oq = o.q + 32 * i;
+        quantize_run(x + 32 * i, 32, &o.d[i], q);
+        for (int p = 0; p < 32; p++) oq[p] = q[p < 16 ? 2 * p : 2 * (p - 16) + 1];
+        for (int L = 0; L < 8; L++) o.s8[8 * i + L] = 8 * (oq[4 * L] + oq[4 * L + 1] + oq[4 * L + 2] + oq[4 * L + 3]);
     }
 }
 
 void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_int4x *x = (const ms_int4x *)xp;
     int64_t nb = m->cols / 32;
+    const ms_int4x x = ms_int4x_at(xp, nb);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const float *s = ms_int4_scale_row(m, row0 + r);
-        float acc[16] = {0}, f[8];
+        float acc[32] = {0}, f[8];
         for (int64_t b = 0; b < nb; b++, w += 16) {
-            float dd = s[b] * x[b].d;
+            float dd = s[b] * x.d[b];
             for (int L = 0; L < 8; L++) {
                 int32_t S = 0;
                 for (int p = 4 * L; p < 4 * L + 4; p++) /* position p: byte p % 16, low nibble if p < 16 */
-                    S += (((w[p % 16] >> (p < 16 ? 0 : 4)) & 0x0F) - 8) * x[b].q[p];
-                acc[8 * (b & 1) + L] = fmaf((float)S, dd, acc[8 * (b & 1) + L]);
+                    S += (((w[p % 16] >> (p < 16 ? 0 : 4)) & 0x0F) - 8) * x.q[32 * b + p];
+                acc[8 * (b % 4) + L] = fmaf((float)S, dd, acc[8 * (b % 4) + L]);
             }
         }
-        for (int L = 0; L < 8; L++) f[L] = acc[L] + acc[8 + L];
+        for (int L = 0; L < 8; L++) f[L] = (acc[L] + acc[8 + L]) + (acc[16 + L] + acc[24 + L]);
         out[r] = ms_lanes8_reduce(f);
     }
 }

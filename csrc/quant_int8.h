@@ -54,18 +54,21 @@ static inline ms_mxfp4x ms_mxfp4x_at(const float *xp, int64_t nb) {
     return v;
 }
 
+/* A token's int4 activations as three arrays over its nb blocks (MS_INT4X_BYTES per block), so that a
+ * pair of blocks is one 512-bit load of each: q[32 b .. 32 b + 31], block b's int8 activations in the
+ * nibble order of the weights ([0..15] the block's even columns, [16..31] the odd ones); s8[8 b + L] =
+ * 8 * (q[4L] + ... + q[4L+3]), lane L's share of the -8 in (nibble - 8); d[b], the block's scale. */
+#define MS_INT4X_BYTES 68
 typedef struct {
-    float d;
-    int8_t q[32];   /* int8 activations in the nibble order of the weights: [0..15] the block's even
-                     * columns, [16..31] the odd ones */
-    int32_t s8[8];  /* 8 * (q[4L] + ... + q[4L+3]): lane L's share of the -8 in (nibble - 8) */
-} ms_int4x;         /* 68 bytes per 32 activations */
+    int8_t *q;   /* [nb * 32] */
+    int32_t *s8; /* [nb * 8] */
+    float *d;    /* [nb] */
+} ms_int4x;
 
-/* A token's int4 activations: nb ms_int4x records, then the nb scales d again as one array (for
- * 512-bit loads of 16 at a time): MS_INT4X_BYTES per block. */
-#define MS_INT4X_BYTES ((int)sizeof(ms_int4x) + 4)
-static inline float *ms_int4x_scales(const float *xp, int64_t nb) {
-    return (float *)((char *)xp + sizeof(ms_int4x) * nb);
+static inline ms_int4x ms_int4x_at(const float *xp, int64_t nb) {
+    char *base = (char *)xp;
+    ms_int4x v = {(int8_t *)base, (int32_t *)(base + 32 * nb), (float *)(base + 64 * nb)};
+    return v;
 }
 
 void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]);

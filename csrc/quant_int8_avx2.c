@@ -83,30 +83,32 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
 
 /* One int4 block: the 16 bytes in both lanes, the high lane shifted, give the nibbles in nibble order
  * (low nibbles = even columns, then high), multiplied as they lie; 8 * sum(x) per lane comes off. */
-static inline __m256 int4_block(const uint8_t *w, const ms_int4x *x, float s, __m256i shift, __m256i low4, __m256 f) {
+static inline __m256 int4_block(const uint8_t *w, const ms_int4x *x, int64_t b, float s, __m256i shift, __m256i low4,
+                                 __m256 f) {
     __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
     __m256i nib = _mm256_and_si256(_mm256_srlv_epi64(bytes, shift), low4);
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, _mm256_loadu_si256((const __m256i *)x->q)),
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b))),
                                   _mm256_set1_epi16(1));
-    p = _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)x->s8));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * x->d), f);
+    p = _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)(x->s8 + 8 * b)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * x->d[b]), f);
 }
 
 void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_int4x *x = (const ms_int4x *)xp;
     int64_t nb = m->cols / 32;
+    const ms_int4x x = ms_int4x_at(xp, nb);
     const __m256i low4 = _mm256_set1_epi8(0x0F), shift = _mm256_setr_epi64x(0, 0, 4, 4);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const float *s = ms_int4_scale_row(m, row0 + r);
-        __m256 f0 = _mm256_setzero_ps(), f1 = f0; /* even blocks, odd blocks */
-        for (int64_t b = 0; b < nb; b += 2, w += 32) {
-            if ((b & 3) == 0) prefetch_ahead(w, 4 * m->row_bytes, 64);
+        __m256 f[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; /* b % 4 */
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4, w += 64) { /* four blocks a step, so that f stays in registers */
+            prefetch_ahead(w, 4 * m->row_bytes, 64);
             if ((b & 15) == 0) _mm_prefetch((const char *)(s + b + 4 * nb), _MM_HINT_T0); /* next tile's scales */
-            f0 = int4_block(w, &x[b], s[b], shift, low4, f0);
-            if (b + 1 < nb) f1 = int4_block(w + 16, &x[b + 1], s[b + 1], shift, low4, f1);
+            for (int c = 0; c < 4; c++) f[c] = int4_block(w + 16 * c, &x, b + c, s[b + c], shift, low4, f[c]);
         }
-        out[r] = reduce8(_mm256_add_ps(f0, f1));
+        for (int c = 0; b < nb; b++, c++, w += 16) f[c] = int4_block(w, &x, b, s[b], shift, low4, f[c]);
+        out[r] = reduce8(_mm256_add_ps(_mm256_add_ps(f[0], f[1]), _mm256_add_ps(f[2], f[3])));
     }
 }
 
@@ -414,19 +416,18 @@ void ms_gemm_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *
 }
 
 void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp) {
-    ms_int4x *b = (ms_int4x *)xp;
+    ms_int4x o = ms_int4x_at(xp, n / 32);
     /* per 128-bit lane: its even bytes, then its odd ones; then the lanes' evens together, odds together */
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
                                            12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     const __m256i ones = _mm256_set1_epi8(1), eights = _mm256_set1_epi16(8);
     for (int64_t i = 0; i < n / 32; i++) {
         int8_t q[32];
-        quantize_run_avx2(x + 32 * i, 32, &b[i].d, q);
+        quantize_run_avx2(x + 32 * i, 32, &o.d[i], q);
         __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q), split);
         v = _mm256_permute4x64_epi64(v, 0xD8); /* 64-bit pieces 0, 2, 1, 3 */
-        _mm256_storeu_si256((__m256i *)b[i].q, v);
-        _mm256_storeu_si256((__m256i *)b[i].s8, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), eights));
-        ms_int4x_scales(xp, n / 32)[i] = b[i].d;
+        _mm256_storeu_si256((__m256i *)(o.q + 32 * i), v);
+        _mm256_storeu_si256((__m256i *)(o.s8 + 8 * i), _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), eights));
     }
 }
 

@@ -62,6 +62,14 @@ static inline float finish4(__m512 acc) {
     return _mm_cvtss_f32(_mm_add_ss(f, _mm_movehdup_ps(f)));
 }
 
+/* int4's four sets of 8 lanes (block b % 4 = 0, 1 in the halves of a, 2, 3 in those of b) added as
+ * (set 0 + set 1) + (set 2 + set 3), then the fixed 8-lane tree. */
+static inline float finish2(__m512 a, __m512 b) {
+    __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+    return reduce8(_mm256_add_ps(a2, b2));
+}
+
 /* The even-block and odd-block accumulators of a row added, then the fixed 8-lane tree. */
 static inline float finish(__m512 acc) {
     __m256 lo = _mm512_castps512_ps256(acc);
@@ -159,78 +167,70 @@ void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const
 }
 
 /* int4 (nibble - 8, one f32 scale per 32): the nibbles multiplied as they lie against the int8
- * activations in nibble order, 8 * sum(x) per lane taken off; the activation blocks are 68-byte records,
- * so a pair's halves are loaded apart; the scales d come from the array after the records, 16 at a time, and
- * the 16 products s * d of a group of blocks are made per row. */
+ * activations in nibble order, 8 * sum(x) per lane taken off; a pair of blocks' activations and lane
+ * offsets are one 512-bit load each (quant_int8.h), the scales d 16 at a time, and the 16 products s * d of
+ * a group of blocks are made per row. */
 static inline __m512i pair_of(const void *lo, const void *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
                               _mm256_loadu_si256((const __m256i *)hi), 1);
 }
 
-static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix *m, int64_t row0, const int R,
-                                                            const ms_int4x *x, const float *xs, int64_t nb,
-                                                            float *out) {
-    const uint8_t *w[4];
-    const float *s[4];
-    __m512 acc[4], dd[4];
-    for (int r = 0; r < R; r++) {
-        w[r] = m->data + (row0 + r) * m->row_bytes;
-        s[r] = ms_int4_scale_row(m, row0 + r);
-        acc[r] = _mm512_setzero_ps();
-    }
-    const int64_t ahead = 4 * m->row_bytes;
-    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-        int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
-        __mmask16 km = (__mmask16)((1u << n) - 1);
-        __m512 xd = n == 16 ? _mm512_loadu_ps(xs + b0) : _mm512_maskz_loadu_ps(km, xs + b0);
-        for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(s[r] + b0 + 4 * nb), _MM_HINT_T0); /* the next tile's scales */
-            dd[r] = _mm512_mul_ps(n == 16 ? _mm512_loadu_ps(s[r] + b0) : _mm512_maskz_loadu_ps(km, s[r] + b0), xd);
-        }
-        __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        int k = 0;
-        for (; k + 2 <= n; k += 2, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {
-            int64_t b = b0 + k;
-            if ((k & 3) == 0)
-                for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[r] + 16 * b + ahead), _MM_HINT_T0);
-            __m512i q = pair_of(x[b].q, x[b + 1].q), off = pair_of(x[b].s8, x[b + 1].s8);
-            for (int r = 0; r < R; r++) {
-                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_nibbles(w[r] + 16 * b), q);
-                t = _mm512_sub_epi32(t, off);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(idx, dd[r]), acc[r]);
-            }
-        }
-        if (k < n) { /* the last block of an odd count: an even block, the low half */
-            int64_t b = b0 + k;
-            __m256i q = _mm256_loadu_si256((const __m256i *)x[b].q);
-            __m256i off = _mm256_loadu_si256((const __m256i *)x[b].s8);
-            for (int r = 0; r < R; r++) {
-                __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), one_nibbles(w[r] + 16 * b), q);
-                t = _mm256_sub_epi32(t, off);
-                __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(k), dd[r]);
-                __m512 tf = _mm512_castps256_ps512(_mm256_cvtepi32_ps(t));
-                acc[r] = _mm512_mask3_fmadd_ps(tf, d, acc[r], (__mmask16)0x00FF);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = finish(acc[r]);
+/* Blocks b, b + 1 of the row at w (k = b - b0 in the group of 16 whose scale products are dd) into acc. */
+static inline __attribute__((always_inline)) VNNI __m512 int4_pair(const uint8_t *w, const ms_int4x *x, int64_t b,
+                                                              int k, __m512 dd, __m512 acc) {
+    const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i q = _mm512_loadu_si512(x->q + 32 * b), off = _mm512_loadu_si512(x->s8 + 8 * b);
+    const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_nibbles(w + 16 * b), q);
+    const __m512 d = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(k), lanes), dd); /* b's, b + 1's */
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, off)), d, acc);
 }
 
+/* One row at a time: the weights and scales of a tile stream in order, which from memory beats several
+ * rows sharing the activation loads (two threads, 4096x14336: 86% of the memory read against 80% for two
+ * rows at once; 3584x3072: 100% against 79% for four, with the read at ~47 GB/s); the row's two chains of
+ * multiply-adds (blocks b % 4 = 0, 1 in acc[0]; 2, 3 in acc[1]) keep it fast in cache. */
 static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_int4x *x = (const ms_int4x *)xp;
-    int64_t nb = m->cols / 32;
-    const float *xs = ms_int4x_scales(xp, nb);
-    /* Four rows per pass share the activation loads, but on wide rows (over 8192 columns; 14336 columns
-     * are 30 KB of activations) their four streams at once held int4 at two threads to 54 GB/s with the
-     * read at 80, where two rows reach 65; on narrower rows four rows stay ahead (7168x2048: 62 against
-     * 55 GB/s). Each row's sum is the same whatever the pass. */
-    int r = 0;
-    if (nrows == 4 && m->cols <= 8192) {
-        int4_rows(m, row0, 4, x, xs, nb, out);
-        return;
+    const int64_t nb = m->cols / 32;
+    const ms_int4x xa = ms_int4x_at(xp, nb), *x = &xa;
+    /* prefetch at least 16 KB ahead (narrow rows: 7168x2048 at two threads, read ~80 GB/s, 72% -> ~86%) */
+    const int64_t ahead_rows = 4 * m->row_bytes >= 16384 ? 4 : (16384 + m->row_bytes - 1) / m->row_bytes;
+    const int64_t ahead = ahead_rows * m->row_bytes;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        const float *s = ms_int4_scale_row(m, row0 + r);
+        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+            const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+            const __mmask16 km = (__mmask16)((1u << n) - 1);
+            _mm_prefetch((const char *)(s + b0 + ahead_rows * nb), _MM_HINT_T0); /* the scales as far ahead */
+            const __m512 dd = n == 16 ? _mm512_mul_ps(_mm512_loadu_ps(s + b0), _mm512_loadu_ps(x->d + b0))
+                                      : _mm512_mul_ps(_mm512_maskz_loadu_ps(km, s + b0), _mm512_maskz_loadu_ps(km, x->d + b0));
+            int k = 0;
+            for (; k + 4 <= n; k += 4) {
+                _mm_prefetch((const char *)(w + 16 * (b0 + k) + ahead), _MM_HINT_T0);
+                acc[0] = int4_pair(w, x, b0 + k, k, dd, acc[0]);
+                acc[1] = int4_pair(w, x, b0 + k + 2, k + 2, dd, acc[1]);
+            }
+            if (k + 2 <= n) {
+                _mm_prefetch((const char *)(w + 16 * (b0 + k) + ahead), _MM_HINT_T0);
+                acc[0] = int4_pair(w, x, b0 + k, k, dd, acc[0]);
+                k += 2;
+            }
+            if (k < n) { /* the last block of an odd count: b % 4 = 0 or 2, the low half */
+                const int64_t b = b0 + k;
+                __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), one_nibbles(w + 16 * b),
+                                                _mm256_loadu_si256((const __m256i *)(x->q + 32 * b)));
+                t = _mm256_sub_epi32(t, _mm256_loadu_si256((const __m256i *)(x->s8 + 8 * b)));
+                const __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(k), dd);
+                const __m512 tf = _mm512_castps256_ps512(_mm256_cvtepi32_ps(t));
+                if (k % 4 == 0)
+                    acc[0] = _mm512_mask3_fmadd_ps(tf, d, acc[0], (__mmask16)0x00FF);
+                else
+                    acc[1] = _mm512_mask3_fmadd_ps(tf, d, acc[1], (__mmask16)0x00FF);
+            }
+        }
+        out[r] = finish2(acc[0], acc[1]);
     }
-    for (; r + 2 <= nrows; r += 2) int4_rows(m, row0 + r, 2, x, xs, nb, out + r);
-    if (r < nrows) int4_rows(m, row0 + r, 1, x, xs, nb, out + r);
 }
 
 void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
