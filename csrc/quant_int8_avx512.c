@@ -170,11 +170,6 @@ void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const
  * activations in nibble order, 8 * sum(x) per lane taken off; a pair of blocks' activations and lane
  * offsets are one 512-bit load each (quant_int8.h), the scales d 16 at a time, and the 16 products s * d of
  * a group of blocks are made per row. */
-static inline __m512i pair_of(const void *lo, const void *hi) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
-                              _mm256_loadu_si256((const __m256i *)hi), 1);
-}
-
 /* Blocks b, b + 1 of the row at w (k = b - b0 in the group of 16 whose scale products are dd) into acc. */
 static inline __attribute__((always_inline)) VNNI __m512 int4_pair(const uint8_t *w, const ms_int4x *x, int64_t b,
                                                               int k, __m512 dd, __m512 acc) {
@@ -238,6 +233,13 @@ void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         int4_vnni(m, row0, nrows, xp, out);
     else
         ms_dot4_int4_avx2(m, row0, nrows, xp, out);
+}
+
+/* 32 bytes at lo in the low half, 32 at hi in the high half (q8_0's 34-byte weight blocks and 36-byte
+ * activation records of a pair). */
+static inline __m512i pair_of(const void *lo, const void *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
+                              _mm256_loadu_si256((const __m256i *)hi), 1);
 }
 
 /* q8_0: a block pair's 64 weight bytes against the pair's activations, |w| (unsigned) times x with w's
