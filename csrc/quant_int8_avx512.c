@@ -297,9 +297,10 @@ static inline __m256 pair_half(const __m512 *F, int i) {
                       : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(F[i / 2]), 1));
 }
 
-/* q4_k against several tokens: the tile unpacked as for AVX2 (quant_int8_simd.h), then per token two
- * sub-blocks per register: maddubs, and madd by the pair's scales (sub-block 2k's in the low half, 2k+1's in
- * the high half); the halves are added at the end of the block, exact integers. The block epilogue runs for
+/* q4_k against several tokens (with VNNI; the AVX2 gemm otherwise): the tile unpacked as for AVX2
+ * (quant_int8_simd.h), then per token four sub-blocks per vpdpbusd pair, their lane sums multiplied by the
+ * sub-blocks' scales with vpdpwssd (q4k_tokens); the halves are added at the end of the block, exact
+ * integers, the lanes of ms_dot4_q4_k_avx2. The block epilogue runs for
  * the group's tokens together, one 128-bit lane each: the sums of mins times bsums, dmin * d(x) and
  * d * d(x), and the running min lanes; the same float operations per token as ms_dot4_q4_k_avx2. */
 typedef struct {
@@ -310,13 +311,28 @@ typedef struct {
 static _Thread_local q4k_group *q4k_grp;
 static _Thread_local int64_t q4k_grp_cap;
 
-static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked *buf, int64_t nb, int nrows,
-                                                             const char *xp, int64_t stride, int nt, float *out,
-                                                             int64_t out_stride) {
-    __m512i pair[4]; /* int16 indices: 2k in the low 16 slots, 2k + 1 in the high 16 */
-    for (int k = 0; k < 4; k++)
-        pair[k] = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(2 * k)),
-                                          _mm512_set1_epi16((short)(2 * k + 1)));
+static inline __attribute__((always_inline)) VNNI void q4k_tokens(const q4k_unpacked *buf, int64_t nb, int nrows,
+                                                                  const char *xp, int64_t stride, int nt,
+                                                                  float *out, int64_t out_stride) {
+    /* vpdpbusd sums 4 products a lane, per sub-block: a0 holds sub-blocks 2k (lanes 0..7) and 2k + 1 (8..15),
+     * a1 sub-blocks 2k + 2 and 2k + 3. wpair takes the low int16 of (a0 lane L, a0 lane 8 + L) for L < 8,
+     * then the same of a1 (each |sum| <= 4 * 15 * 127, exact in int16), and vpdpwssd multiplies them by
+     * their sub-blocks' scales (spair[k / 2]) into lane L, or 8 + L: canonical lane L's integer sum. */
+    __m512i wpair, spair[2];
+    {
+        short wi[32], si[2][32];
+        for (int L = 0; L < 8; L++) {
+            wi[2 * L] = (short)(2 * L), wi[2 * L + 1] = (short)(2 * (8 + L));
+            wi[16 + 2 * L] = (short)(32 + 2 * L), wi[16 + 2 * L + 1] = (short)(32 + 2 * (8 + L));
+            for (int h = 0; h < 2; h++) {
+                si[h][2 * L] = (short)(4 * h), si[h][2 * L + 1] = (short)(4 * h + 1);
+                si[h][16 + 2 * L] = (short)(4 * h + 2), si[h][16 + 2 * L + 1] = (short)(4 * h + 3);
+            }
+        }
+        wpair = _mm512_loadu_si512(wi);
+        spair[0] = _mm512_loadu_si512(si[0]);
+        spair[1] = _mm512_loadu_si512(si[1]);
+    }
     const __m512i dpair[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
                               _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 12, 12, 12, 12, 12, 12, 12, 12)};
     q4k_group *g = q4k_grp;
@@ -340,12 +356,14 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
             __m512i acc[4];
             for (int i = 0; i < nt; i++) acc[i] = _mm512_setzero_si512();
             const __m512i scales = _mm512_castsi128_si512(u->sc);
-            for (int k = 0; k < 4; k++) {
-                const __m512i q = _mm512_load_si512(&u->q[2 * k]), sc = _mm512_permutexvar_epi16(pair[k], scales);
+            for (int k = 0; k < 4; k += 2) {
+                const __m512i q0 = _mm512_load_si512(&u->q[2 * k]), q1 = _mm512_load_si512(&u->q[2 * k + 2]);
+                const __m512i sc = _mm512_permutexvar_epi16(spair[k / 2], scales);
                 for (int i = 0; i < nt; i++) {
                     const ms_q8_kx *x = (const ms_q8_kx *)(xp + i * stride) + b;
-                    __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x->q + 64 * k));
-                    acc[i] = _mm512_add_epi32(acc[i], _mm512_madd_epi16(p, sc));
+                    __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q0, _mm512_load_si512(x->q + 64 * k));
+                    __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q1, _mm512_load_si512(x->q + 64 * k + 64));
+                    acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_permutex2var_epi16(a0, wpair, a1), sc);
                     KEEP_IN_REGISTER(acc[i]);
                 }
             }
@@ -364,10 +382,18 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
     }
 }
 
-void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
-                         float *out, int64_t out_stride) {
+static VNNI void gemm_q4_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride,
+                                int64_t T, float *out, int64_t out_stride) {
     GEMM_OVER_TILE(q4k_buf, q4k_cap, q4k_unpack_tile, q4k_tokens, ms_dot4_q4_k_avx2,
                    grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group)));
+}
+
+void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
+                         float *out, int64_t out_stride) {
+    if (__builtin_cpu_supports("avx512vnni")) /* the same sums as the AVX2 gemm, which runs without VNNI */
+        gemm_q4_k_vnni(m, row0, nrows, xp, stride, T, out, out_stride);
+    else
+        ms_gemm_q4_k_avx2(m, row0, nrows, xp, stride, T, out, out_stride);
 }
 
 /* q6_k against several tokens: the tile unpacked as for AVX2, then per token two 32-value chunks per
