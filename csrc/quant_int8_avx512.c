@@ -62,20 +62,18 @@ static inline float finish4(__m512 acc) {
     return _mm_cvtss_f32(_mm_add_ss(f, _mm_movehdup_ps(f)));
 }
 
+/* The high 256 bits of a (the low ones are _mm512_castps512_ps256). */
+static inline __m256 high_half(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+
+/* The two 8-lane halves of a added. */
+static inline __m256 halves_sum(__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), high_half(a)); }
+
 /* int4's four sets of 8 lanes (block b % 4 = 0, 1 in the halves of a, 2, 3 in those of b) added as
  * (set 0 + set 1) + (set 2 + set 3), then the fixed 8-lane tree. */
-static inline float finish2(__m512 a, __m512 b) {
-    __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
-    return reduce8(_mm256_add_ps(a2, b2));
-}
+static inline float finish2(__m512 a, __m512 b) { return reduce8(_mm256_add_ps(halves_sum(a), halves_sum(b))); }
 
 /* The even-block and odd-block accumulators of a row added, then the fixed 8-lane tree. */
-static inline float finish(__m512 acc) {
-    __m256 lo = _mm512_castps512_ps256(acc);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
-    return reduce8(_mm256_add_ps(lo, hi));
-}
+static inline float finish(__m512 acc) { return reduce8(halves_sum(acc)); }
 
 /* Loads of scales and activation scales are masked only for a last, partial group of 16 blocks: on Zen 5
  * a masked load that misses the cache stalls the loop (int4 from memory: 7 GB/s masked, 16 unmasked);
@@ -293,8 +291,7 @@ static inline __m512 pair_epilogue(__m512i a0, __m512i a1, __m512 d, __m512 F) {
 
 /* Token i's running lanes from the pair accumulators F of pair_epilogue. */
 static inline __m256 pair_half(const __m512 *F, int i) {
-    return i % 2 == 0 ? _mm512_castps512_ps256(F[i / 2])
-                      : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(F[i / 2]), 1));
+    return i % 2 == 0 ? _mm512_castps512_ps256(F[i / 2]) : high_half(F[i / 2]);
 }
 
 /* q4_k against several tokens (with VNNI; the AVX2 gemm otherwise): the tile unpacked as for AVX2
