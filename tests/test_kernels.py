@@ -147,12 +147,12 @@ def assert_same_on_every_isa(w: Weight, x: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("shape", [(67, 301), (40, 256), (9, 16), (5, 15), (6, 1184), (7, 736), (9, 8224)])
+@pytest.mark.parametrize("shape", [(67, 301), (40, 256), (9, 16), (5, 15), (6, 1184), (7, 736), (9, 8224), (5, 9248)])
 def test_isas_bit_identical(fmt, shape):
     """Every path follows the same canonical reduction order, so they agree to the bit (with and
     without a tail of columns beyond the last full 16; 37 and 23 blocks of 32 end a group of 16 blocks with
     5 and 7, so that every tail of the int4 and mxfp4 kernels runs; rows wider than 8192 take other row
-    groupings)."""
+    groupings, and mxfp4 rows wider than 9024 four rows at a time)."""
     w = make_weight(fmt, *shape_for(fmt, shape))
     x = np.random.default_rng(3).standard_normal((2, w.cols)).astype(np.float32)
     assert_same_on_every_isa(w, x)
