@@ -1,8 +1,9 @@
 /* AVX-512 integer kernels: mxfp4, int4 and q8_0 with VNNI (vpdpbusd; mxfp4 four blocks per register, their
- * low and high nibbles in two registers summed in one chain; int4 and q8_0 two blocks per register, even blocks in the low half and odd
- * ones in the high half; on an AVX-512 CPU without VNNI the AVX2 kernels run instead); q4_k and q6_k
- * (decode and gemm) with AVX-512BW, two sub-blocks (chunks) per register. The same exact lane integers
- * and the same canonical float order as the scalar path (quant_int8.c). */
+ * low and high nibbles in two registers summed in the same chains; int4 and q8_0 two blocks per register,
+ * even blocks in the low half and odd ones in the high half; on an AVX-512 CPU without VNNI the AVX2
+ * kernels run instead); q4_k and q6_k (decode and gemm) with AVX-512BW, two sub-blocks (chunks) per
+ * register. The same exact lane integers and the same canonical float order as the scalar path
+ * (quant_int8.c). */
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 #include <immintrin.h>
 #include <string.h>
@@ -81,9 +82,9 @@ static inline float finish(__m512 acc) { return reduce8(halves_sum(acc)); }
  * mxfp4, R rows (R a constant, so the row loops unroll): for each group of 16 blocks, the 16 products
  * 2^(s-128) * d of every row at once; per group of four blocks, a row's 64 bytes split into low and high
  * nibbles (positions 0..15 and 16..31 of each block) become two registers of unsigned values, and three
- * short vpdpbusd chains (one per digit) over both against the group's activations (laid out to match, quant_int8.h) gives the
- * four lanes of each block; block c of the group adds into 128-bit lane c of the row's accumulator (the
- * four chains of the canonical order), scaled by its own product. */
+ * short vpdpbusd chains (one per digit) over both against the group's activations (laid out to match,
+ * quant_int8.h) give the four lanes of each block; block c of the group adds into 128-bit lane c of the
+ * row's accumulator (the four chains of the canonical order), scaled by its own product. */
 static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *m, int64_t row0, const int R,
                                                           const ms_mxfp4x *x, int64_t nb, int32_t nan_bits,
                                                           const __m512i ulut, float *out) {
@@ -95,7 +96,7 @@ static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *
         acc[r] = _mm512_setzero_ps();
     }
     /* the next rows' weights and scales, at least 16 KB ahead */
-    const int64_t ahead_rows = R * m->row_bytes >= 16384 ? R : R * ((16384 + R * m->row_bytes - 1) / (R * m->row_bytes));
+    const int64_t tile = R * m->row_bytes, ahead_rows = tile >= 16384 ? R : R * ((16384 + tile - 1) / tile);
     const int64_t ahead = ahead_rows * m->row_bytes;
     const __m512i m4 = _mm512_set1_epi8(0x0F), quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
