@@ -62,9 +62,9 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    m = np.max(x, axis=axis, keepdims=True)
-    e = np.exp(x - m)
-    return e / np.sum(e, axis=axis, keepdims=True)
+    # the ufuncs' reduce directly (what np.max and np.sum call), without their wrappers' cost per call
+    e = np.exp(x - np.maximum.reduce(x, axis=axis, keepdims=True))
+    return e / np.add.reduce(e, axis=axis, keepdims=True)
 
 
 class Linear:
@@ -512,6 +512,12 @@ def topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
     return order[:, :k]
 
 
+def per_row(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The index of a [T, n] array at idx [T, k] (column idx[t, j] of row t): what take_along_axis and
+    put_along_axis build, without their overhead on the one-row decode step."""
+    return np.arange(idx.shape[0])[:, None], idx
+
+
 class SoftmaxRouter:
     """Softmax over all experts, top-k, optional renormalisation (Mixtral, Qwen3-MoE)."""
 
@@ -519,20 +525,11 @@ class SoftmaxRouter:
         self.gate, self.top_k, self.renormalize = gate, top_k, renormalize
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
-        logits = self.gate.matmul(x, ctx.threads)  # [T, n_experts]
-        if logits.shape[0] == 1:  # one token: the same operations on the row, without the batch machinery
-            e = np.exp(logits[0] - logits[0].max())
-            p = e / e.sum()
-            i = np.argsort(-p, kind="stable")[: self.top_k]
-            w1 = p[i]
-            if self.renormalize:
-                w1 = w1 / w1.sum()
-            return i[None], w1.astype(np.float32)[None]
-        probs = softmax(logits)
+        probs = softmax(self.gate.matmul(x, ctx.threads))  # [T, n_experts]
         idx = topk_desc(probs, self.top_k)
-        w = np.take_along_axis(probs, idx, axis=-1)
+        w = probs[per_row(idx)]
         if self.renormalize:
-            w = w / np.sum(w, axis=-1, keepdims=True)
+            w = w / np.add.reduce(w, axis=-1, keepdims=True)
         return idx, w.astype(np.float32)
 
 
@@ -559,35 +556,18 @@ class SigmoidGroupRouter:
         scores = sigmoid(self.gate.matmul(x, ctx.threads))  # [T, n_experts]
         choice = scores + self.bias if self.bias is not None else scores.copy()
         T, n = choice.shape
-        if T == 1:
-            return self._one_row(scores[0], choice[0])
         if self.n_group > 1:
             grouped = choice.reshape(T, self.n_group, n // self.n_group)
             top2 = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)  # [T, n_group]
             keep = topk_desc(top2, self.topk_group)
             mask = np.zeros((T, self.n_group), bool)
-            np.put_along_axis(mask, keep, True, axis=-1)
+            mask[per_row(keep)] = True
             choice = np.where(np.repeat(mask, n // self.n_group, axis=-1), choice, -np.inf)
         idx = topk_desc(choice, self.top_k)
-        w = np.take_along_axis(scores, idx, axis=-1)
+        w = scores[per_row(idx)]
         if self.renormalize:
-            w = w / (np.sum(w, axis=-1, keepdims=True) + np.float32(1e-20))
+            w = w / (np.add.reduce(w, axis=-1, keepdims=True) + np.float32(1e-20))
         return idx, (w * self.scaling).astype(np.float32)
-
-    def _one_row(self, scores: np.ndarray, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The same selection for one token (scores, choice [n_experts]) with the same numpy operations on
-        the row, without the batch helpers (take_along_axis, put_along_axis)."""
-        n = choice.shape[0]
-        if self.n_group > 1:
-            top2 = -np.sort(-choice.reshape(self.n_group, n // self.n_group), axis=-1)[:, :2].sum(-1)  # [n_group]
-            mask = np.zeros(self.n_group, bool)
-            mask[np.argsort(-top2, kind="stable")[: self.topk_group]] = True
-            choice = np.where(np.repeat(mask, n // self.n_group), choice, -np.inf)
-        idx = np.argsort(-choice, kind="stable")[: self.top_k]
-        w = scores[idx]
-        if self.renormalize:
-            w = w / (w.sum() + np.float32(1e-20))
-        return idx[None], (w * self.scaling).astype(np.float32)[None]
 
 
 @dataclass
