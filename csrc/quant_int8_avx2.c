@@ -225,7 +225,8 @@ static inline __attribute__((always_inline)) void mx_rows_avx2(const ms_matrix *
             __m128 tf = _mm_cvtepi32_ps(_mm_sub_epi32(t, off));
             __m256 d = _mm256_set1_ps(ms_e8m0_half_lut[s[r][b]] * x->d[b]);
             __m256 sum = _mm256_fmadd_ps(_mm256_set_m128(tf, tf), d, acc[r][c / 2]);
-            acc[r][c / 2] = c % 2 == 0 ? _mm256_blend_ps(acc[r][c / 2], sum, 0x0F) : _mm256_blend_ps(acc[r][c / 2], sum, 0xF0);
+            acc[r][c / 2] = c % 2 == 0 ? _mm256_blend_ps(acc[r][c / 2], sum, 0x0F)
+                                       : _mm256_blend_ps(acc[r][c / 2], sum, 0xF0);
         }
     }
     for (int r = 0; r < R; r++) { /* lane L: (chain 0 + chain 1) + (chain 2 + chain 3), then (0 + 2) + (1 + 3) */
@@ -378,7 +379,6 @@ void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp) {
         for (int j = 0; j < 8; j++) b[i].bsums[j] = (int16_t)s[j];
     }
 }
-
 
 /* nt (1..4) tokens against the unpacked rows of a tile, each unpacked vector loaded once for all of them. */
 static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked *buf, int64_t nb, int nrows,

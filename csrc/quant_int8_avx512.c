@@ -62,6 +62,13 @@ static inline float finish4(__m512 acc) {
     return _mm_cvtss_f32(_mm_add_ss(f, _mm_movehdup_ps(f)));
 }
 
+/* How many rows ahead the one-row-stream kernels (int4, mxfp4) prefetch: at least min_rows, and at least
+ * 16 KB, in steps of `step` rows (the rows a pass takes together). */
+static inline int64_t prefetch_rows(int64_t row_bytes, int64_t step, int64_t min_rows) {
+    const int64_t rows = step * ((16384 + step * row_bytes - 1) / (step * row_bytes));
+    return rows > min_rows ? rows : min_rows;
+}
+
 /* The high 256 bits of a (the low ones are _mm512_castps512_ps256). */
 static inline __m256 high_half(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
 
@@ -96,7 +103,7 @@ static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *
         acc[r] = _mm512_setzero_ps();
     }
     /* the next rows' weights and scales, at least 16 KB ahead */
-    const int64_t tile = R * m->row_bytes, ahead_rows = tile >= 16384 ? R : R * ((16384 + tile - 1) / tile);
+    const int64_t ahead_rows = prefetch_rows(m->row_bytes, R, R);
     const int64_t ahead = ahead_rows * m->row_bytes;
     const __m512i m4 = _mm512_set1_epi8(0x0F), quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
@@ -196,7 +203,7 @@ static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
     const int64_t nb = m->cols / 32;
     const ms_int4x xa = ms_int4x_at(xp, nb), *x = &xa;
     /* prefetch at least 16 KB ahead (narrow rows: 7168x2048 at two threads, read ~80 GB/s, 72% -> ~86%) */
-    const int64_t ahead_rows = 4 * m->row_bytes >= 16384 ? 4 : (16384 + m->row_bytes - 1) / m->row_bytes;
+    const int64_t ahead_rows = prefetch_rows(m->row_bytes, 1, 4);
     const int64_t ahead = ahead_rows * m->row_bytes;
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
@@ -207,7 +214,8 @@ static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
             const __mmask16 km = (__mmask16)((1u << n) - 1);
             _mm_prefetch((const char *)(s + b0 + ahead_rows * nb), _MM_HINT_T0); /* the scales as far ahead */
             const __m512 dd = n == 16 ? _mm512_mul_ps(_mm512_loadu_ps(s + b0), _mm512_loadu_ps(x->d + b0))
-                                      : _mm512_mul_ps(_mm512_maskz_loadu_ps(km, s + b0), _mm512_maskz_loadu_ps(km, x->d + b0));
+                                      : _mm512_mul_ps(_mm512_maskz_loadu_ps(km, s + b0),
+                                                      _mm512_maskz_loadu_ps(km, x->d + b0));
             int k = 0;
             for (; k + 4 <= n; k += 4) {
                 _mm_prefetch((const char *)(w + 16 * (b0 + k) + ahead), _MM_HINT_T0);
@@ -385,7 +393,8 @@ static inline __attribute__((always_inline)) VNNI void q4k_tokens(const q4k_unpa
         }
         float fm[16];
         _mm512_storeu_ps(fm, fmin);
-        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(pair_half(F, i)) - ms_q4_k_min_reduce(&fm[4 * i]);
+        for (int i = 0; i < nt; i++)
+            out[i * out_stride + r] = reduce8(pair_half(F, i)) - ms_q4_k_min_reduce(&fm[4 * i]);
     }
 }
 
