@@ -1,16 +1,19 @@
 """The C pieces of the decode step against the numpy steps they replace. RMSNorm: numpy's float32 bits.
 Decode attention (one new token against the key/value cache): the new key written to the cache has the
 numpy steps' bits, the output is softmax attention to float rounding, the sliding window is honoured,
-and the bits depend on neither the instruction set nor the thread count."""
+and the bits depend on neither the instruction set nor the thread count. Prefill attention splits its
+heads among threads (over_heads) with the same bits at every thread count."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 
 from moestream import _C
 from moestream.config import RopeSpec
-from moestream.models.base import Ctx, GQAttention, KVCache, Linear, Rope, rms_norm
+from moestream.models.base import Ctx, GQAttention, KVCache, Linear, Rope, over_heads, rms_norm
 from moestream.quant import Weight
 
 
@@ -205,3 +208,52 @@ def test_bad_arguments_raise():
     ):
         with pytest.raises(ValueError):
             call(**change)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_over_heads_takes_every_head_once(n, threads):
+    seen: list[tuple[int, int, int]] = []
+    lock = threading.Lock()
+
+    def fn(part: slice) -> None:
+        with lock:
+            seen.append((part.start, part.stop, threading.get_ident()))
+
+    over_heads(fn, n, threads)
+    seen.sort()
+    assert [h for a, b, _ in seen for h in range(a, b)] == list(range(n))  # contiguous, each head once
+    assert all(b > a for a, b, _ in seen)
+    assert len(seen) == min(n, threads)
+    idents = {ident for _, _, ident in seen}
+    # the caller takes the first part, pool threads the others (an idle one may take two short parts)
+    assert threading.get_ident() in idents and (len(idents) > 1) == (min(n, threads) > 1)
+
+
+def test_over_heads_raises_what_a_part_raises():
+    def fn(part: slice) -> None:
+        if part.start > 0:
+            raise ValueError("part")
+
+    with pytest.raises(ValueError, match="part"):
+        over_heads(fn, 4, 2)
+
+
+@pytest.mark.parametrize("H,KV,window", [(8, 4, None), (6, 3, 4), (4, 1, None)])
+def test_prefill_same_bits_at_every_thread_count(H, KV, window):
+    """A prompt after a cached prefix, its heads split among 1..4 threads: the same bytes, and softmax
+    attention to rounding (the whole prompt token by token through the C decode)."""
+    attn, rng = make_attention(H, KV, 32, True, window=window)
+    prefix = rng.standard_normal((5, 48)).astype(np.float32)
+    x = rng.standard_normal((11, 48)).astype(np.float32)
+    outs = []
+    for threads in (1, 2, 3, 4):
+        cache = attn.new_cache()
+        attn(prefix, cache, Ctx(threads))
+        outs.append(attn(x, cache, Ctx(threads)).tobytes())
+    assert len(set(outs)) == 1
+    cache = attn.new_cache()
+    attn(prefix, cache, Ctx())
+    steps = np.concatenate([attn(x[t : t + 1], cache, Ctx()) for t in range(len(x))])
+    whole = np.frombuffer(outs[0], np.float32).reshape(steps.shape)
+    assert np.abs(steps - whole).max() <= 1e-5 * np.abs(whole).max()

@@ -8,8 +8,10 @@ weight product goes through a C kernel (quant.Weight) straight from the checkpoi
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,6 +67,38 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     # the ufuncs' reduce directly (what np.max and np.sum call), without their wrappers' cost per call
     e = np.exp(x - np.maximum.reduce(x, axis=axis, keepdims=True))
     return e / np.add.reduce(e, axis=axis, keepdims=True)
+
+
+def softmax_last_inplace(x: np.ndarray) -> np.ndarray:
+    """softmax(x) over the last axis, with its bits, written over x (float32): no temporaries the size of
+    x, which for prefill attention scores are megabytes each."""
+    np.subtract(x, np.maximum.reduce(x, axis=-1, keepdims=True), out=x)
+    np.exp(x, out=x)
+    np.divide(x, np.add.reduce(x, axis=-1, keepdims=True), out=x)
+    return x
+
+
+_head_pool: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool), made on first use
+
+
+def over_heads(fn: Callable[[slice], None], n: int, threads: int) -> None:
+    """fn(part) for contiguous parts of range(n) (attention heads), on up to `threads` threads: numpy's
+    BLAS runs on the calling thread only (blas_threads.py), and releases the GIL in its products and ufunc
+    loops, so the prefill attention of different heads runs on different cores. Each head's arithmetic is
+    the same whichever thread takes it, so the result does not depend on the thread count."""
+    global _head_pool
+    k = max(1, min(threads, n))
+    bounds = [n * i // k for i in range(k + 1)]
+    parts = [slice(a, b) for a, b in itertools.pairwise(bounds)]
+    if k == 1:
+        fn(parts[0])
+        return
+    if _head_pool is None or _head_pool[0] < k - 1:
+        _head_pool = (k - 1, ThreadPoolExecutor(max_workers=k - 1, thread_name_prefix="moestream-heads"))
+    futures = [_head_pool[1].submit(fn, part) for part in parts[1:]]
+    fn(parts[0])
+    for f in futures:
+        f.result()
 
 
 class Linear:
@@ -274,13 +308,18 @@ class GQAttention:
         S = keys.shape[1]
         rep = H // KV
         qg = q.transpose(1, 0, 2).reshape(KV, rep * T, D)  # [KV, rep*T, D]
-        scores = np.matmul(qg, keys.transpose(0, 2, 1)) * self.scaling  # [KV, rep*T, S]
-        scores = scores.reshape(KV, rep, T, S)
-        if T > 1 or (self.sliding_window is not None and S > self.sliding_window):  # else nothing is masked
-            scores = scores + causal_mask(pos0, T, S, self.sliding_window)
-        p = softmax(scores).reshape(KV, rep * T, S)
-        o = np.matmul(p, values).reshape(H, T, D).transpose(1, 0, 2).reshape(T, H * D)  # [T, H*D]
-        return self.o(o, ctx)
+        mask = causal_mask(pos0, T, S, self.sliding_window)  # [T, S]
+        o = np.empty((KV, rep * T, D), np.float32)
+
+        def heads(part: slice) -> None:  # the query heads of key/value heads `part`
+            scores = np.matmul(qg[part], keys[part].transpose(0, 2, 1))  # [kv, rep*T, S]
+            scores *= self.scaling
+            by_query = scores.reshape(-1, rep, T, S)  # a view: the mask goes in place
+            by_query += mask
+            np.matmul(softmax_last_inplace(scores), values[part], out=o[part])
+
+        over_heads(heads, KV, ctx.threads)
+        return self.o(o.reshape(H, T, D).transpose(1, 0, 2).reshape(T, H * D), ctx)  # [T, H*D]
 
     def _decode(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, ctx: Ctx) -> np.ndarray:
         """One token (q [1, H*D], k and v [1, KV*D]) -> attention output [1, H*D]: the norms, the rope, the
@@ -420,11 +459,18 @@ class MLAttention:
         else:
             kv = self.kv_b_proj(c_all, ctx).reshape(S, H, N + V)  # [S, H, nope+v]
             k_nope, v = kv[..., :N], kv[..., N:]
-            scores = np.matmul(q_nope.transpose(1, 0, 2), k_nope.transpose(1, 2, 0))  # [H, T, S]
-            scores += np.matmul(q_rot.transpose(1, 0, 2), kr_all.T[None])
-            scores = scores * self.scaling + causal_mask(pos0, T, S)
-            p = softmax(scores)
-            o = np.matmul(p, v.transpose(1, 0, 2)).transpose(1, 0, 2).reshape(T, H * V)  # [T, H*v]
+            mask = causal_mask(pos0, T, S)  # [T, S]
+            o_h = np.empty((H, T, V), np.float32)
+
+            def heads(part: slice) -> None:
+                scores = np.matmul(q_nope[:, part].transpose(1, 0, 2), k_nope[:, part].transpose(1, 2, 0))
+                scores += np.matmul(q_rot[:, part].transpose(1, 0, 2), kr_all.T[None])  # [h, T, S]
+                scores *= self.scaling
+                scores += mask
+                np.matmul(softmax_last_inplace(scores), v[:, part].transpose(1, 0, 2), out=o_h[part])
+
+            over_heads(heads, H, ctx.threads)
+            o = o_h.transpose(1, 0, 2).reshape(T, H * V)  # [T, H*v]
         if self.out_gate is not None:
             o = o * sigmoid(self.out_gate(x, ctx))
         return self.o_proj(o.astype(np.float32), ctx)
