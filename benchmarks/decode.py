@@ -121,7 +121,7 @@ class LlamaCpp:
     stay in the mmap and run through the plain block kernels (faster on this kind of machine; Llama() does
     not expose the flag, so the model params are set where it reads them)."""
 
-    def __init__(self, gguf: Path, threads: int, repack: bool = True):
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, repack: bool = True):
         import llama_cpp
         import llama_cpp.llama_cpp as C
 
@@ -136,7 +136,13 @@ class LlamaCpp:
         t0 = time.perf_counter()
         try:
             self.llm = llama_cpp.Llama(
-                str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512, verbose=False
+                str(gguf),
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_ctx=n_ctx,
+                n_batch=n_ctx,  # its scores array has n_batch rows; the prompt still runs 512 at a time
+                n_ubatch=512,
+                verbose=False,
             )
         finally:
             C.llama_model_default_params = default_params
@@ -225,8 +231,9 @@ def main() -> None:
             pack(path, packed, experts="q4_k_m", trunk="q4_k_m", progress=False)
         engines["moestream (q4_k_m pack)"] = Ours(packed, args.threads)
         gguf = llama_cpp_gguf(args.llama_cpp, path)
-        engines["llama.cpp (Q4_K_M)"] = LlamaCpp(gguf, args.threads)
-        engines["llama.cpp (Q4_K_M, not repacked)"] = LlamaCpp(gguf, args.threads, repack=False)
+        n_ctx = max(512, args.prompt + args.gen)
+        engines["llama.cpp (Q4_K_M)"] = LlamaCpp(gguf, args.threads, n_ctx)
+        engines["llama.cpp (Q4_K_M, not repacked)"] = LlamaCpp(gguf, args.threads, n_ctx, repack=False)
     best: dict[str, list[float]] = {name: [0.0, 0.0] for name in engines}
     ids: dict[str, list[int]] = {}
     for engine in engines.values():
