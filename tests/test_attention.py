@@ -7,6 +7,7 @@ heads among threads (over_heads) with the same bits at every thread count."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -230,13 +231,20 @@ def test_over_heads_takes_every_head_once(n, threads):
     assert threading.get_ident() in idents and (len(idents) > 1) == (min(n, threads) > 1)
 
 
-def test_over_heads_raises_what_a_part_raises():
+@pytest.mark.parametrize("failing", [0, 2])
+def test_over_heads_raises_what_a_part_raises(failing):
+    """Whichever part raises (the caller's or a pool thread's), every part has finished when it does."""
+    finished: list[int] = []
+
     def fn(part: slice) -> None:
-        if part.start > 0:
+        if part.start == failing:
             raise ValueError("part")
+        time.sleep(0.05)
+        finished.append(part.start)
 
     with pytest.raises(ValueError, match="part"):
-        over_heads(fn, 4, 2)
+        over_heads(fn, 4, 4)
+    assert sorted(finished) == [h for h in range(4) if h != failing]
 
 
 @pytest.mark.parametrize("H,KV,window", [(8, 4, None), (6, 3, 4), (4, 1, None)])

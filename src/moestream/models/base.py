@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -96,7 +96,10 @@ def over_heads(fn: Callable[[slice], None], n: int, threads: int) -> None:
     if _head_pool is None or _head_pool[0] < k - 1:
         _head_pool = (k - 1, ThreadPoolExecutor(max_workers=k - 1, thread_name_prefix="moestream-heads"))
     futures = [_head_pool[1].submit(fn, part) for part in parts[1:]]
-    fn(parts[0])
+    try:
+        fn(parts[0])
+    finally:  # no part outlives the call, whichever raises
+        wait(futures)
     for f in futures:
         f.result()
 
