@@ -157,6 +157,8 @@ void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp); /* the same byt
 void ms_dot4_mxfp4_int_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
+void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
+                          float *out, int64_t out_stride); /* VNNI; else the AVX2 kernel token by token */
 void ms_prep_x_int4(const float *x, int64_t n, float *xp);
 void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp);
 void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out);

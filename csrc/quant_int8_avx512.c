@@ -194,6 +194,36 @@ void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const
         ms_dot4_mxfp4_int_avx2(m, row0, nrows, xp, out);
 }
 
+/* mxfp4 against several tokens (prefill): token by token, the tile's four rows at once, whatever their
+ * width: after the first token the tile is in cache, where sharing each activation load among four rows
+ * beats streaming one row at a time. Each row gets the bits of the one-token kernel. */
+static VNNI void gemm_mxfp4_vnni(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride,
+                                 int64_t T, float *out, int64_t out_stride) {
+    const int64_t nb = m->cols / 32;
+    int8_t t[16];
+    for (int i = 0; i < 16; i++) t[i] = (int8_t)(ms_e2m1_x2_lut[i] + 12);
+    const __m512i ulut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t));
+    int32_t nan_bits;
+    memcpy(&nan_bits, &ms_e8m0_half_lut[255], sizeof nan_bits);
+    for (int64_t i = 0; i < T; i++) {
+        ms_mxfp4x x = ms_mxfp4x_at((const float *)(xp + i * stride), nb);
+        float o[4];
+        if (nrows == 4)
+            mx_rows(m, row0, 4, &x, nb, nan_bits, ulut, o);
+        else
+            for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, nan_bits, ulut, o + r);
+        for (int r = 0; r < nrows; r++) out[i * out_stride + r] = o[r];
+    }
+}
+
+void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
+                          float *out, int64_t out_stride) {
+    if (__builtin_cpu_supports("avx512vnni"))
+        gemm_mxfp4_vnni(m, row0, nrows, xp, stride, T, out, out_stride);
+    else
+        dot4_per_token(ms_dot4_mxfp4_int_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
+}
+
 /* int4 (nibble - 8, one f32 scale per 32): the nibbles multiplied as they lie against the int8
  * activations in nibble order, 8 * sum(x) per lane taken off; a pair of blocks' activations and lane
  * offsets are one 512-bit load each (quant_int8.h), the scales d 16 at a time, and the 16 products s * d of
