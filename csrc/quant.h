@@ -165,6 +165,8 @@ void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out);
 void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
+void ms_gemm_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
+                         float *out, int64_t out_stride); /* VNNI; else the AVX2 kernel token by token */
 void ms_dot4_blocks_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
 void ms_dot4_blocks_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
 void ms_dot4_blocks_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);

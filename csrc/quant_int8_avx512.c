@@ -238,53 +238,71 @@ static inline __attribute__((always_inline)) VNNI __m512 int4_pair(const uint8_t
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, off)), d, acc);
 }
 
-/* One row at a time: the weights and scales of a tile stream in order, which from memory beats several
- * rows sharing the activation loads (two threads, 4096x14336: 86% of the memory read against 80% for two
- * rows at once; 3584x3072: 100% against 79% for four, with the read at ~47 GB/s); the row's two chains of
- * multiply-adds (blocks b % 4 = 0, 1 in acc[0]; 2, 3 in acc[1]) keep it fast in cache. */
-static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const int64_t nb = m->cols / 32;
-    const ms_int4x xa = ms_int4x_at(xp, nb), *x = &xa;
-    /* prefetch at least 16 KB ahead (narrow rows: 7168x2048 at two threads, read ~80 GB/s, 72% -> ~86%) */
-    const int64_t ahead_rows = prefetch_rows(m->row_bytes, 1, 4);
+/* R rows (a constant) against one token, each row's arithmetic the same whatever R: the row's two chains of
+ * multiply-adds (blocks b % 4 = 0, 1 in acc[r][0]; 2, 3 in acc[r][1]) keep it fast in cache; the R rows
+ * share each activation load. */
+static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix *m, int64_t row0, const int R,
+                                                            const ms_int4x *x, int64_t nb, int64_t ahead_rows,
+                                                            float *out) {
     const int64_t ahead = ahead_rows * m->row_bytes;
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        const float *s = ms_int4_scale_row(m, row0 + r);
-        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-            const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
-            const __mmask16 km = (__mmask16)((1u << n) - 1);
-            _mm_prefetch((const char *)(s + b0 + ahead_rows * nb), _MM_HINT_T0); /* the scales as far ahead */
-            const __m512 dd = n == 16 ? _mm512_mul_ps(_mm512_loadu_ps(s + b0), _mm512_loadu_ps(x->d + b0))
-                                      : _mm512_mul_ps(_mm512_maskz_loadu_ps(km, s + b0),
-                                                      _mm512_maskz_loadu_ps(km, x->d + b0));
-            int k = 0;
-            for (; k + 4 <= n; k += 4) {
-                _mm_prefetch((const char *)(w + 16 * (b0 + k) + ahead), _MM_HINT_T0);
-                acc[0] = int4_pair(w, x, b0 + k, k, dd, acc[0]);
-                acc[1] = int4_pair(w, x, b0 + k + 2, k + 2, dd, acc[1]);
+    const uint8_t *w[4];
+    const float *s[4];
+    __m512 acc[4][2], dd[4];
+    for (int r = 0; r < R; r++) {
+        w[r] = m->data + (row0 + r) * m->row_bytes;
+        s[r] = ms_int4_scale_row(m, row0 + r);
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        const __mmask16 km = (__mmask16)((1u << n) - 1);
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(s[r] + b0 + ahead_rows * nb), _MM_HINT_T0); /* the scales as far ahead */
+            dd[r] = n == 16 ? _mm512_mul_ps(_mm512_loadu_ps(s[r] + b0), _mm512_loadu_ps(x->d + b0))
+                            : _mm512_mul_ps(_mm512_maskz_loadu_ps(km, s[r] + b0), _mm512_maskz_loadu_ps(km, x->d + b0));
+        }
+        int k = 0;
+        for (; k + 4 <= n; k += 4)
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char *)(w[r] + 16 * (b0 + k) + ahead), _MM_HINT_T0);
+                acc[r][0] = int4_pair(w[r], x, b0 + k, k, dd[r], acc[r][0]);
+                acc[r][1] = int4_pair(w[r], x, b0 + k + 2, k + 2, dd[r], acc[r][1]);
             }
-            if (k + 2 <= n) {
-                _mm_prefetch((const char *)(w + 16 * (b0 + k) + ahead), _MM_HINT_T0);
-                acc[0] = int4_pair(w, x, b0 + k, k, dd, acc[0]);
-                k += 2;
+        if (k + 2 <= n) {
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char *)(w[r] + 16 * (b0 + k) + ahead), _MM_HINT_T0);
+                acc[r][0] = int4_pair(w[r], x, b0 + k, k, dd[r], acc[r][0]);
             }
-            if (k < n) { /* the last block of an odd count: b % 4 = 0 or 2, the low half */
-                const int64_t b = b0 + k;
-                __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), one_nibbles(w + 16 * b),
-                                                _mm256_loadu_si256((const __m256i *)(x->q + 32 * b)));
-                t = _mm256_sub_epi32(t, _mm256_loadu_si256((const __m256i *)(x->s8 + 8 * b)));
-                const __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(k), dd);
+            k += 2;
+        }
+        if (k < n) { /* the last block of an odd count: b % 4 = 0 or 2, the low half */
+            const int64_t b = b0 + k;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
+            const __m256i off = _mm256_loadu_si256((const __m256i *)(x->s8 + 8 * b));
+            for (int r = 0; r < R; r++) {
+                __m256i t = _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), one_nibbles(w[r] + 16 * b), q),
+                                             off);
+                const __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(k), dd[r]);
                 const __m512 tf = _mm512_castps256_ps512(_mm256_cvtepi32_ps(t));
-                if (k % 4 == 0)
-                    acc[0] = _mm512_mask3_fmadd_ps(tf, d, acc[0], (__mmask16)0x00FF);
+                if (k % 4 == 0) /* a constant index, so that the accumulators stay in registers */
+                    acc[r][0] = _mm512_mask3_fmadd_ps(tf, d, acc[r][0], (__mmask16)0x00FF);
                 else
-                    acc[1] = _mm512_mask3_fmadd_ps(tf, d, acc[1], (__mmask16)0x00FF);
+                    acc[r][1] = _mm512_mask3_fmadd_ps(tf, d, acc[r][1], (__mmask16)0x00FF);
             }
         }
-        out[r] = finish2(acc[0], acc[1]);
     }
+    for (int r = 0; r < R; r++) out[r] = finish2(acc[r][0], acc[r][1]);
+}
+
+/* One row at a time: the weights and scales of a tile stream in order, which from memory beats several
+ * rows sharing the activation loads (two threads, 4096x14336: 86% of the memory read against 80% for two
+ * rows at once; 3584x3072: 100% against 79% for four, with the read at ~47 GB/s). */
+static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const int64_t nb = m->cols / 32;
+    const ms_int4x x = ms_int4x_at(xp, nb);
+    /* prefetch at least 16 KB ahead (narrow rows: 7168x2048 at two threads, read ~80 GB/s, 72% -> ~86%) */
+    const int64_t ahead_rows = prefetch_rows(m->row_bytes, 1, 4);
+    for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, &x, nb, ahead_rows, out + r);
 }
 
 void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
@@ -292,6 +310,30 @@ void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         int4_vnni(m, row0, nrows, xp, out);
     else
         ms_dot4_int4_avx2(m, row0, nrows, xp, out);
+}
+
+/* int4 against several tokens (prefill): token by token, the tile's four rows at once (in cache after the
+ * first token, where sharing the activation loads pays), each row with the one-token kernel's bits. */
+static VNNI void gemm_int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride,
+                                int64_t T, float *out, int64_t out_stride) {
+    const int64_t nb = m->cols / 32, ahead_rows = prefetch_rows(m->row_bytes, 1, 4);
+    for (int64_t i = 0; i < T; i++) {
+        const ms_int4x x = ms_int4x_at((const float *)(xp + i * stride), nb);
+        float o[4];
+        if (nrows == 4)
+            int4_rows(m, row0, 4, &x, nb, ahead_rows, o);
+        else
+            for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, &x, nb, ahead_rows, o + r);
+        for (int r = 0; r < nrows; r++) out[i * out_stride + r] = o[r];
+    }
+}
+
+void ms_gemm_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
+                         float *out, int64_t out_stride) {
+    if (__builtin_cpu_supports("avx512vnni"))
+        gemm_int4_vnni(m, row0, nrows, xp, stride, T, out, out_stride);
+    else
+        dot4_per_token(ms_dot4_int4_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
 }
 
 /* 32 bytes at lo in the low half, 32 at hi in the high half (q8_0's 34-byte weight blocks and 36-byte
