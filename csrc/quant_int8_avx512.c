@@ -172,7 +172,10 @@ static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *
  * load serves four rows (one row at a time, 4096x14336: 52% of the read against 81%). */
 #define MX_ONE_ROW_MAX 32768
 
-static VNNI void mxfp4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+/* A tile of nrows rows against one token; rows one at a time when narrower than one_row_max bytes of
+ * activations, else four at once. */
+static inline __attribute__((always_inline)) VNNI void mxfp4_tile(const ms_matrix *m, int64_t row0, int nrows,
+                                                             const float *xp, float *out, int64_t one_row_max) {
     int64_t nb = m->cols / 32;
     ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
     int8_t t[16];
@@ -180,11 +183,21 @@ static VNNI void mxfp4_vnni(const ms_matrix *m, int64_t row0, int nrows, const f
     const __m512i ulut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t));
     int32_t nan_bits;
     memcpy(&nan_bits, &ms_e8m0_half_lut[255], sizeof nan_bits);
-    if (nrows == 4 && nb * MS_MXFP4X_BYTES > MX_ONE_ROW_MAX) {
+    if (nrows == 4 && nb * MS_MXFP4X_BYTES > one_row_max) {
         mx_rows(m, row0, 4, &x, nb, nan_bits, ulut, out);
         return;
     }
     for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, nan_bits, ulut, out + r);
+}
+
+static VNNI void mxfp4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    mxfp4_tile(m, row0, nrows, xp, out, MX_ONE_ROW_MAX);
+}
+
+/* For prefill: four rows at once whatever their width; the tile is in cache after the first token, where
+ * sharing each activation load among four rows beats streaming one row. */
+static VNNI void mxfp4_vnni_four(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    mxfp4_tile(m, row0, nrows, xp, out, 0);
 }
 
 void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
@@ -194,34 +207,12 @@ void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const
         ms_dot4_mxfp4_int_avx2(m, row0, nrows, xp, out);
 }
 
-/* mxfp4 against several tokens (prefill): token by token, the tile's four rows at once, whatever their
- * width: after the first token the tile is in cache, where sharing each activation load among four rows
- * beats streaming one row at a time. Each row gets the bits of the one-token kernel. */
-static VNNI void gemm_mxfp4_vnni(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride,
-                                 int64_t T, float *out, int64_t out_stride) {
-    const int64_t nb = m->cols / 32;
-    int8_t t[16];
-    for (int i = 0; i < 16; i++) t[i] = (int8_t)(ms_e2m1_x2_lut[i] + 12);
-    const __m512i ulut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t));
-    int32_t nan_bits;
-    memcpy(&nan_bits, &ms_e8m0_half_lut[255], sizeof nan_bits);
-    for (int64_t i = 0; i < T; i++) {
-        ms_mxfp4x x = ms_mxfp4x_at((const float *)(xp + i * stride), nb);
-        float o[4];
-        if (nrows == 4)
-            mx_rows(m, row0, 4, &x, nb, nan_bits, ulut, o);
-        else
-            for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, nan_bits, ulut, o + r);
-        for (int r = 0; r < nrows; r++) out[i * out_stride + r] = o[r];
-    }
-}
-
+/* mxfp4 against several tokens (prefill): token by token, each tile's rows four at once (mxfp4_vnni_four),
+ * each row with the one-token kernel's bits; without VNNI the AVX2 kernel. */
 void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                           float *out, int64_t out_stride) {
-    if (__builtin_cpu_supports("avx512vnni"))
-        gemm_mxfp4_vnni(m, row0, nrows, xp, stride, T, out, out_stride);
-    else
-        dot4_per_token(ms_dot4_mxfp4_int_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
+    dot4_per_token(__builtin_cpu_supports("avx512vnni") ? mxfp4_vnni_four : ms_dot4_mxfp4_int_avx2, m, row0, nrows,
+                   xp, stride, T, out, out_stride);
 }
 
 /* int4 (nibble - 8, one f32 scale per 32): the nibbles multiplied as they lie against the int8
@@ -305,6 +296,18 @@ static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
     for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, &x, nb, ahead_rows, out + r);
 }
 
+/* For prefill: a tile's four rows at once (in cache after the first token, where sharing the activation
+ * loads pays). */
+static VNNI void int4_vnni_four(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const int64_t nb = m->cols / 32;
+    const ms_int4x x = ms_int4x_at(xp, nb);
+    /* the next tile's rows (no division per token: prefetch_rows's cost showed, ~7% at 2048 columns) */
+    if (nrows == 4)
+        int4_rows(m, row0, 4, &x, nb, 4, out);
+    else
+        for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, &x, nb, 4, out + r);
+}
+
 void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     if (__builtin_cpu_supports("avx512vnni"))
         int4_vnni(m, row0, nrows, xp, out);
@@ -312,28 +315,12 @@ void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         ms_dot4_int4_avx2(m, row0, nrows, xp, out);
 }
 
-/* int4 against several tokens (prefill): token by token, the tile's four rows at once (in cache after the
- * first token, where sharing the activation loads pays), each row with the one-token kernel's bits. */
-static VNNI void gemm_int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride,
-                                int64_t T, float *out, int64_t out_stride) {
-    const int64_t nb = m->cols / 32, ahead_rows = prefetch_rows(m->row_bytes, 1, 4);
-    for (int64_t i = 0; i < T; i++) {
-        const ms_int4x x = ms_int4x_at((const float *)(xp + i * stride), nb);
-        float o[4];
-        if (nrows == 4)
-            int4_rows(m, row0, 4, &x, nb, ahead_rows, o);
-        else
-            for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, &x, nb, ahead_rows, o + r);
-        for (int r = 0; r < nrows; r++) out[i * out_stride + r] = o[r];
-    }
-}
-
+/* int4 against several tokens (prefill): token by token, each tile's rows four at once (int4_vnni_four),
+ * each row with the one-token kernel's bits; without VNNI the AVX2 kernel. */
 void ms_gemm_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride) {
-    if (__builtin_cpu_supports("avx512vnni"))
-        gemm_int4_vnni(m, row0, nrows, xp, stride, T, out, out_stride);
-    else
-        dot4_per_token(ms_dot4_int4_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
+    dot4_per_token(__builtin_cpu_supports("avx512vnni") ? int4_vnni_four : ms_dot4_int4_avx2, m, row0, nrows, xp,
+                   stride, T, out, out_stride);
 }
 
 /* 32 bytes at lo in the low half, 32 at hi in the high half (q8_0's 34-byte weight blocks and 36-byte
