@@ -131,8 +131,8 @@ static inline __attribute__((always_inline)) VNNI void mx_group(const uint8_t *c
 }
 
 static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *m, int64_t row0, const int R,
-                                                          const ms_mxfp4x *x, int64_t nb, int32_t nan_bits,
-                                                          const __m512i ulut, float *out) {
+                                                          const ms_mxfp4x *x, int64_t nb, int64_t ahead_rows,
+                                                          int32_t nan_bits, const __m512i ulut, float *out) {
     const uint8_t *w[4], *s[4];
     __m512 acc[4], dd[4];
     for (int r = 0; r < R; r++) {
@@ -140,9 +140,7 @@ static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *
         s[r] = ms_mxfp4_scale_row(m, row0 + r);
         acc[r] = _mm512_setzero_ps();
     }
-    /* the next rows' weights and scales, at least 16 KB ahead */
-    const int64_t ahead_rows = prefetch_rows(m->row_bytes, R, R);
-    const int64_t ahead = ahead_rows * m->row_bytes;
+    const int64_t ahead = ahead_rows * m->row_bytes; /* the weights and scales ahead_rows rows on */
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
         __mmask16 km = (__mmask16)((1u << n) - 1);
@@ -172,10 +170,11 @@ static inline __attribute__((always_inline)) VNNI void mx_rows(const ms_matrix *
  * load serves four rows (one row at a time, 4096x14336: 52% of the read against 81%). */
 #define MX_ONE_ROW_MAX 32768
 
-/* A tile of nrows rows against one token; rows one at a time when narrower than one_row_max bytes of
- * activations, else four at once. */
+/* A tile of nrows rows against one token. Decode: rows one at a time up to MX_ONE_ROW_MAX bytes of
+ * activations, else four at once, prefetching at least 16 KB ahead. Prefill: four at once whatever the
+ * width, prefetching the next tile only (no division per token). */
 static inline __attribute__((always_inline)) VNNI void mxfp4_tile(const ms_matrix *m, int64_t row0, int nrows,
-                                                             const float *xp, float *out, int64_t one_row_max) {
+                                                             const float *xp, float *out, const int prefill) {
     int64_t nb = m->cols / 32;
     ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
     int8_t t[16];
@@ -183,21 +182,22 @@ static inline __attribute__((always_inline)) VNNI void mxfp4_tile(const ms_matri
     const __m512i ulut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t));
     int32_t nan_bits;
     memcpy(&nan_bits, &ms_e8m0_half_lut[255], sizeof nan_bits);
-    if (nrows == 4 && nb * MS_MXFP4X_BYTES > one_row_max) {
-        mx_rows(m, row0, 4, &x, nb, nan_bits, ulut, out);
+    if (nrows == 4 && (prefill || nb * MS_MXFP4X_BYTES > MX_ONE_ROW_MAX)) {
+        mx_rows(m, row0, 4, &x, nb, prefill ? 4 : prefetch_rows(m->row_bytes, 4, 4), nan_bits, ulut, out);
         return;
     }
-    for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, nan_bits, ulut, out + r);
+    const int64_t ahead_rows = prefill ? 4 : prefetch_rows(m->row_bytes, 1, 1);
+    for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, ahead_rows, nan_bits, ulut, out + r);
 }
 
 static VNNI void mxfp4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    mxfp4_tile(m, row0, nrows, xp, out, MX_ONE_ROW_MAX);
+    mxfp4_tile(m, row0, nrows, xp, out, 0);
 }
 
 /* For prefill: four rows at once whatever their width; the tile is in cache after the first token, where
  * sharing each activation load among four rows beats streaming one row. */
 static VNNI void mxfp4_vnni_four(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    mxfp4_tile(m, row0, nrows, xp, out, 0);
+    mxfp4_tile(m, row0, nrows, xp, out, 1);
 }
 
 void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
