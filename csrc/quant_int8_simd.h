@@ -110,10 +110,22 @@ static inline void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t r
 static _Thread_local q4k_unpacked *q4k_buf;
 static _Thread_local int64_t q4k_cap;
 
+/* Asks for the rows [row0 + nrows, row0 + 2 nrows) of m (the next tile) while this one runs. With several
+ * tokens a tile is unpacked in one burst and then computed on for longer than the hardware prefetcher
+ * looks ahead: out of cache, one thread, q4_k 768x2048 at 8 tokens 175-185 -> 250 GOPS, 12 tokens 190 ->
+ * 256, 128 tokens 302 -> 316. Below 6 tokens the tile is computed sooner than its successor arrives this way,
+ * and the hardware prefetcher does better alone (4 tokens: 222-232 without, 200 with). */
+static inline void prefetch_next_tile(const ms_matrix *m, int64_t row0, int nrows) {
+    const int64_t r1 = row0 + 2 * nrows < m->rows ? row0 + 2 * nrows : m->rows;
+    const uint8_t *end = m->data + r1 * m->row_bytes;
+    for (const uint8_t *p = m->data + (row0 + nrows) * m->row_bytes; p < end; p += 64)
+        _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+
 /* The body of a gemm (m, row0, nrows, xp, stride, T, out, out_stride) over a 256-block tile unpacked
  * once: this thread's buffer BUF (capacity CAP) grown to the tile, and EXTRA_OK (any further buffer, or 1),
- * else the decode kernel DOT4 token by token; the tile unpacked by UNPACK, then TOKENS for the tokens in
- * groups (TOKEN_GROUPS). */
+ * else the decode kernel DOT4 token by token; the tile unpacked by UNPACK, the next one asked for (from 6
+ * tokens), then TOKENS for the tokens in groups (TOKEN_GROUPS). */
 #define GEMM_OVER_TILE(BUF, CAP, UNPACK, TOKENS, DOT4, EXTRA_OK)                                       \
     do {                                                                                           \
         int64_t nb = m->cols / 256;                                                                \
@@ -122,6 +134,7 @@ static _Thread_local int64_t q4k_cap;
             return;                                                                                \
         }                                                                                          \
         UNPACK(m, row0, nrows, nb, BUF);                                                           \
+        if (T >= 6) prefetch_next_tile(m, row0, nrows);                                            \
         TOKEN_GROUPS(TOKENS, BUF);                                                                 \
     } while (0)
 
