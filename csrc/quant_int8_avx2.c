@@ -251,6 +251,20 @@ void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const f
  * once for the group's nt (1..4) tokens; the block epilogue runs for two tokens per register, one 128-bit
  * lane each (mins times bsums, dmin * d(x) and d * d(x), the running min lanes), from token vectors made
  * once per group for all the rows. Every token's float operations are ms_dot4_q4_k_avx2's. */
+/* reduce8 of two tokens' 8 lanes at once, a's sum in float 0 and b's in float 4: the same additions in the
+ * same order (one at a time, the tail of a row cost a quarter of a 768-column gemm). */
+static inline __m256 reduce8_x2(__m256 a, __m256 b) {
+    __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)); /* f_j + f_j+4 */
+    __m256 c = _mm256_add_ps(s, _mm256_shuffle_ps(s, s, 0xEE));                                          /* s0 + s2, s1 + s3 */
+    return _mm256_add_ps(c, _mm256_shuffle_ps(c, c, 0x55));                                              /* c0 + c1 */
+}
+
+/* q4k_min_reduce of each 128-bit lane, in floats 0 and 4: (l0 + l1) + (l2 + l3). */
+static inline __m256 min_reduce_x2(__m256 m) {
+    __m256 t = _mm256_add_ps(m, _mm256_shuffle_ps(m, m, 0xB1)); /* l0 + l1, -, l2 + l3, - */
+    return _mm256_add_ps(t, _mm256_shuffle_ps(t, t, 0xEE));
+}
+
 typedef struct {
     __m256i bsums[2]; /* tokens 2g and 2g + 1: their 8 bsums in the low and high lane (zero beyond nt) */
     __m256 d[2];      /* their d, likewise */
@@ -281,7 +295,7 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
     for (int r = 0; r < nrows; r++) {
         const q4k_unpacked *u = &buf[r * nb];
         __m256 f[4], fmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int i = 0; i < nt; i++) f[i] = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) f[i] = _mm256_setzero_ps(); /* all four: the tail reads them in pairs */
         for (int64_t b = 0; b < nb; b++, u++) {
             __m256i acc[4];
             for (int i = 0; i < nt; i++) acc[i] = _mm256_setzero_si256();
@@ -308,10 +322,11 @@ static inline __attribute__((always_inline)) void q4k_tokens(const q4k_unpacked 
                 }
             }
         }
-        float fm[2][8];
-        for (int h = 0; h < ng; h++) _mm256_storeu_ps(fm[h], fmin[h]);
-        for (int i = 0; i < nt; i++)
-            out[i * out_stride + r] = reduce8(f[i]) - ms_q4_k_min_reduce(&fm[i / 2][4 * (i % 2)]);
+        for (int h = 0; h < ng; h++) {
+            float res[8]; /* tokens 2h and 2h + 1 in floats 0 and 4 */
+            _mm256_storeu_ps(res, _mm256_sub_ps(reduce8_x2(f[2 * h], f[2 * h + 1]), min_reduce_x2(fmin[h])));
+            for (int l = 0; l < 2 && 2 * h + l < nt; l++) out[(2 * h + l) * out_stride + r] = res[4 * l];
+        }
     }
 }
 
@@ -387,7 +402,7 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
     for (int r = 0; r < nrows; r++) {
         const q6k_unpacked *u = &buf[r * nb];
         __m256 f[4];
-        for (int i = 0; i < nt; i++) f[i] = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) f[i] = _mm256_setzero_ps(); /* all four: the tail reads them in pairs */
         for (int64_t b = 0; b < nb; b++, u++) {
             __m256i acc[4];
             for (int i = 0; i < nt; i++) acc[i] = _mm256_setzero_si256();
@@ -406,7 +421,11 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
                 f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(u->d * x->k.d), f[i]);
             }
         }
-        for (int i = 0; i < nt; i++) out[i * out_stride + r] = reduce8(f[i]);
+        for (int h = 0; 2 * h < nt; h++) {
+            float res[8]; /* tokens 2h and 2h + 1 in floats 0 and 4 */
+            _mm256_storeu_ps(res, reduce8_x2(f[2 * h], f[2 * h + 1]));
+            for (int l = 0; l < 2 && 2 * h + l < nt; l++) out[(2 * h + l) * out_stride + r] = res[4 * l];
+        }
     }
 }
 
