@@ -265,3 +265,17 @@ def test_prefill_same_bits_at_every_thread_count(H, KV, window):
     steps = np.concatenate([attn(x[t : t + 1], cache, Ctx()) for t in range(len(x))])
     whole = np.frombuffer(outs[0], np.float32).reshape(steps.shape)
     assert np.abs(steps - whole).max() <= 1e-5 * np.abs(whole).max()
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_rope_is_the_plain_formula(interleave):
+    """Rope.apply, written into place, has the bits of [x1 c - x2 s, x2 c + x1 s] computed the plain way."""
+    rng = np.random.default_rng(11)
+    rope = Rope(RopeSpec(theta=10000.0, dim=64, interleave=interleave))
+    x = rng.standard_normal((7, 3, 64)).astype(np.float32)  # [T, heads, dim]
+    cos, sin = rope.cos_sin(5, 7)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :32], x[..., 32:])
+    c, s = cos[:, None, :], sin[:, None, :]
+    want = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    got = rope.apply(x, cos, sin)
+    assert got.dtype == np.float32 and got.tobytes() == want.tobytes()

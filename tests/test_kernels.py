@@ -4,6 +4,8 @@ not depend on the thread count, the batch size or the code path."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -295,10 +297,23 @@ def test_int4_layout():
     assert d[0, 8:].tolist() == [0.0] * 24
 
 
+def test_silu_glu_is_the_plain_formula():
+    """silu_glu, one array and no temporaries, has the bits of silu(g) * u, overflow and NaN included."""
+    from moestream.models.base import silu, silu_glu
+
+    rng = np.random.default_rng(5)
+    g = (20 * rng.standard_normal((64, 48))).astype(np.float32)
+    g[0, :5] = [np.inf, -np.inf, np.nan, 100.0, -100.0]
+    u = rng.standard_normal((64, 48)).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want, got = silu(g) * u, silu_glu(g, u)
+    assert got.dtype == np.float32 and got.tobytes() == want.tobytes()
+
+
 def test_glu_many_equals_each_mlp_alone():
     """Experts run together (gate/up in one pass, the activation over all at once, down in one pass)
     give each expert the bits of its own three products, for 1 and several tokens and mixed formats."""
-    from moestream.models.base import Ctx, Expert, glu_many, silu_glu
+    from moestream.models.base import Ctx, Expert, glu_many
 
     rng = np.random.default_rng(6)
     experts = [
@@ -313,8 +328,16 @@ def test_glu_many_equals_each_mlp_alone():
         xs = [(0.02 * rng.standard_normal((n, 256))).astype(np.float32) for _ in experts]
         got = glu_many(list(zip(experts, xs, strict=True)), Ctx(threads=2))
         for e, x, y in zip(experts, xs, got, strict=True):
-            want = e.down.matmul(silu_glu(e.gate.matmul(x), e.up.matmul(x)))
+            want = e.down.matmul(e.act(e.gate.matmul(x), e.up.matmul(x)))
             assert y.tobytes() == want.tobytes()
+        # into given buffers (rows of one array, as a batched MoE layer passes them), the activations mixed
+        experts[2] = dataclasses.replace(experts[2], act=lambda g, u: np.maximum(g, 0) * u)
+        buf = np.full((len(experts) * n, 128), np.nan, np.float32)
+        outs = [buf[i * n : (i + 1) * n] for i in range(len(experts))]
+        got = glu_many(list(zip(experts, xs, strict=True)), Ctx(threads=2), outs)
+        for e, x, y, out in zip(experts, xs, got, outs, strict=True):
+            want = e.down.matmul(e.act(e.gate.matmul(x), e.up.matmul(x)))
+            assert y is out and out.tobytes() == want.tobytes()
     assert glu_many([], Ctx()) == []
 
 

@@ -203,7 +203,15 @@ class Rope:
         else:
             x1, x2 = x[..., :half], x[..., half:]
         c, s = cos[:, None, :], sin[:, None, :]
-        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
+        # [x1 c - x2 s, x2 c + x1 s] written into place: the same float32 operations, without the temporaries
+        # and the copies of a concatenate (a 128-token prefill's queries: 1.1 -> 0.3 ms a layer)
+        out = np.empty((*x.shape[:-1], 2 * half), np.float32)
+        lo, hi = out[..., :half], out[..., half:]
+        tmp = np.multiply(x2, s, dtype=np.float32)
+        np.subtract(np.multiply(x1, c, out=lo), tmp, out=lo)
+        np.multiply(x1, s, out=tmp)
+        np.add(np.multiply(x2, c, out=hi), tmp, out=hi)
+        return out
 
 
 # ---- attention ------------------------------------------------------------------------------------
@@ -486,7 +494,13 @@ Glu = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 def silu_glu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    return silu(g) * u
+    """silu(g) * u: silu's float32 operations in one array, without a temporary per step."""
+    h = np.negative(g)
+    np.exp(h, out=h)
+    h += np.float32(1.0)
+    np.divide(g, h, out=h)
+    h *= u
+    return h
 
 
 class DenseMLP:
@@ -519,14 +533,19 @@ def glu_one_x(mlps: list[Any], x: np.ndarray, ctx: Ctx) -> np.ndarray:
     return out
 
 
-def glu_many(batch: list[tuple[DenseMLP | Expert, np.ndarray]], ctx: Ctx) -> list[np.ndarray]:
+def glu_many(
+    batch: list[tuple[DenseMLP | Expert, np.ndarray]], ctx: Ctx, outs: list[np.ndarray] | None = None
+) -> list[np.ndarray]:
     """[mlp(x) for mlp, x in batch]: the gate and up products of all of them in one pass of the kernels,
     the activation over all of them at once, then the down products in one pass. Elementwise steps and
-    per-row products give each output the same bits as running the MLPs one by one."""
+    per-row products give each output the same bits as running the MLPs one by one. `outs`: where to put
+    them (C-contiguous float32 [n, out] each), else new arrays."""
     if not batch:
         return []
     if len({mlp.act for mlp, _ in batch}) > 1:
-        return [glu_many([item], ctx)[0] for item in batch]
+        if outs is None:
+            return [glu_many([item], ctx)[0] for item in batch]
+        return [glu_many([item], ctx, [out])[0] for item, out in zip(batch, outs, strict=True)]
     act = batch[0][0].act
     xs = [np.ascontiguousarray(x, dtype=np.float32) for _, x in batch]
     sizes = [x.shape[0] * mlp.gate.rows for (mlp, _), x in zip(batch, xs, strict=True)]
@@ -540,7 +559,8 @@ def glu_many(batch: list[tuple[DenseMLP | Expert, np.ndarray]], ctx: Ctx) -> lis
         first.append((mlp.up, x, u_all[end - size : end].reshape(shape)))
     matmul_many(first, ctx.threads)
     h_all = act(g_all, u_all)
-    outs = [np.empty((x.shape[0], mlp.down.rows), np.float32) for (mlp, _), x in zip(batch, xs, strict=True)]
+    if outs is None:
+        outs = [np.empty((x.shape[0], mlp.down.rows), np.float32) for (mlp, _), x in zip(batch, xs, strict=True)]
     second = [
         (mlp.down, h_all[end - size : end].reshape(x.shape[0], mlp.gate.rows), out)
         for (mlp, _), x, end, size, out in zip(batch, xs, ends, sizes, outs, strict=True)
@@ -673,24 +693,25 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
         for j in range(1, k):
             out += by_slot[j]
         return out
-    contrib: np.ndarray | None = None  # [T * k, out]: row t * k + j = w[t, j] * expert_{idx[t, j]}(x[t])
-    # expert -> the flat indices t * k + j of its (token, slot) pairs in token order, as np.nonzero(idx == e)
-    # gives them: grouped by expert with one stable sort
-    flat_idx, flat_w = idx.ravel(), w.ravel()
+    # the (token, slot) pairs t * k + j grouped by expert, in token order within each (as np.nonzero(idx == e)
+    # gives them) with one stable sort: expert e's are flat[a_e:b_e], and its tokens' rows of xs
+    flat_idx = idx.ravel()
     flat = np.argsort(flat_idx, kind="stable")
     bounds = np.searchsorted(flat_idx[flat], [*ids, np.iinfo(np.int64).max]).tolist()
-    pairs = {e: flat[a:b] for e, a, b in zip(ids, bounds[:-1], bounds[1:], strict=True)}
+    span = {e: slice(a, b) for e, a, b in zip(ids, bounds[:-1], bounds[1:], strict=True)}
+    xs = x[flat // k]  # [T * k, E]: every expert's tokens, one contiguous run each
+    ys: np.ndarray | None = None  # [T * k, out]: the experts' outputs, in the rows of xs
     for group in groups:
         if not group:
             continue
-        ys = glu_many([(expert, x[pairs[e] // k]) for e, expert in group], ctx)  # each [n, out]
-        if contrib is None:
-            contrib = np.empty((T * k, ys[0].shape[1]), np.float32)
-        for (e, _), y in zip(group, ys, strict=True):
-            np.multiply(y, flat_w[pairs[e]][:, None], out=y)  # each expert's rows scaled and put in place
-            contrib[pairs[e]] = y
-    assert contrib is not None
-    contrib = contrib.reshape(T, k, -1)
+        if ys is None:
+            ys = np.empty((T * k, group[0][1].down.rows), np.float32)
+        glu_many([(expert, xs[span[e]]) for e, expert in group], ctx, [ys[span[e]] for e, _ in group])
+    assert ys is not None
+    ys *= w.ravel()[flat][:, None]  # each row scaled by its pair's weight
+    inverse = np.empty_like(flat)
+    inverse[flat] = np.arange(flat.size)
+    contrib = ys[inverse].reshape(T, k, -1)  # [T, k, out]: [t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
     out = contrib[:, 0].copy()
     for j in range(1, k):
         out += contrib[:, j]
