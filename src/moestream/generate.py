@@ -25,6 +25,7 @@ from .console import prefill_progress
 from .errors import InputError
 from .formats.checkpoint import Checkpoint
 from .formats.packed import PackedStore, is_packed
+from .heap import reuse_freed_heap
 from .models.base import Ctx, State
 from .models.base import Model as Network
 from .runtime.planner import mem_available
@@ -78,6 +79,7 @@ class Model:
         self.tokenizer = tokenizer
         self.ctx = Ctx(threads=threads)
         single_threaded_blas()  # the kernels' threads own the cores (blas_threads.py)
+        reuse_freed_heap()  # a layer's arrays reuse the last layer's pages (heap.py)
         self.store: Any = None  # the Checkpoint or PackedStore the weights are mapped from
 
     @property
