@@ -247,13 +247,17 @@ def test_over_heads_raises_what_a_part_raises(failing):
     assert sorted(finished) == [h for h in range(4) if h != failing]
 
 
-@pytest.mark.parametrize("H,KV,window", [(8, 4, None), (6, 3, 4), (4, 1, None)])
-def test_prefill_same_bits_at_every_thread_count(H, KV, window):
+@pytest.mark.parametrize(
+    "H,KV,window,n_prefix,n",
+    [(8, 4, None, 5, 11), (6, 3, 4, 5, 11), (4, 1, None, 5, 11), (4, 2, None, 70, 150), (4, 2, 40, 70, 150)],
+)
+def test_prefill_same_bits_at_every_thread_count(H, KV, window, n_prefix, n):
     """A prompt after a cached prefix, its heads split among 1..4 threads: the same bytes, and softmax
-    attention to rounding (the whole prompt token by token through the C decode)."""
+    attention to rounding (the whole prompt token by token through the C decode). 150 positions take
+    three blocks of queries (PREFILL_QUERIES), and a window of 40 leaves keys before the blocks'."""
     attn, rng = make_attention(H, KV, 32, True, window=window)
-    prefix = rng.standard_normal((5, 48)).astype(np.float32)
-    x = rng.standard_normal((11, 48)).astype(np.float32)
+    prefix = rng.standard_normal((n_prefix, 48)).astype(np.float32)
+    x = rng.standard_normal((n, 48)).astype(np.float32)
     outs = []
     for threads in (1, 2, 3, 4):
         cache = attn.new_cache()

@@ -256,6 +256,11 @@ class KVCache:
         return self.k[:, :n], self.v[:, :n]
 
 
+# Prefill attention takes the queries of this many positions at a time (per key/value head): their
+# scores stay in cache through the softmax's passes, and they skip the keys past their last position.
+PREFILL_QUERIES = 64
+
+
 def causal_mask(pos0: int, t: int, s: int, window: int | None = None) -> np.ndarray:
     """[t, s] additive mask: query at position pos0+i sees key j iff j <= pos0+i (and within window)."""
     qpos = np.arange(pos0, pos0 + t)[:, None]
@@ -316,21 +321,33 @@ class GQAttention:
         q = self.rope.apply(q, cos, sin)
         k = self.rope.apply(k, cos, sin)
         keys, values = cache.append(k, v)  # [KV, S, D]
-        S = keys.shape[1]
         rep = H // KV
-        qg = q.transpose(1, 0, 2).reshape(KV, rep * T, D)  # [KV, rep*T, D]
-        mask = causal_mask(pos0, T, S, self.sliding_window)  # [T, S]
-        o = np.empty((KV, rep * T, D), np.float32)
+        # the scaled queries, rows in (position, head of the group) order: a run of positions is a run of rows
+        qg = (q * self.scaling).reshape(T, KV, rep, D).transpose(1, 0, 2, 3).reshape(KV, T * rep, D)
+        o = np.empty((KV, T * rep, D), np.float32)  # [KV, T*rep, D]
+        window = self.sliding_window
 
-        def heads(part: slice) -> None:  # the query heads of key/value heads `part`
-            scores = np.matmul(qg[part], keys[part].transpose(0, 2, 1))  # [kv, rep*T, S]
-            scores *= self.scaling
-            by_query = scores.reshape(-1, rep, T, S)  # a view: the mask goes in place
-            by_query += mask
-            np.matmul(softmax_last_inplace(scores), values[part], out=o[part])
+        def heads(part: slice) -> None:  # key/value heads `part`, one at a time, PREFILL_QUERIES positions a time
+            for g in range(part.start, part.stop):
+                for t0 in range(0, T, PREFILL_QUERIES):
+                    t1 = min(T, t0 + PREFILL_QUERIES)
+                    # the keys these positions may see: none past the last one's position, none before the
+                    # first one's window
+                    s0, s1 = 0 if window is None else max(0, pos0 + t0 - window + 1), pos0 + t1
+                    rows = slice(t0 * rep, t1 * rep)
+                    scores = qg[g, rows] @ keys[g, s0:s1].T  # [n*rep, s]
+                    by_query = scores.reshape(t1 - t0, rep, s1 - s0)  # a view: the mask goes in place
+                    if window is None:  # only the block of keys at the positions' own positions is masked
+                        by_query[:, :, pos0 + t0 - s0 :] += causal_mask(0, t1 - t0, t1 - t0)[:, None]
+                    else:
+                        by_query += causal_mask(pos0 + t0, t1 - t0, s1, window)[:, None, s0:]
+                    np.subtract(scores, np.maximum.reduce(scores, axis=-1, keepdims=True), out=scores)
+                    np.exp(scores, out=scores)
+                    total = np.add.reduce(scores, axis=-1, keepdims=True)  # [n*rep, 1]
+                    np.divide(np.matmul(scores, values[g, s0:s1], out=o[g, rows]), total, out=o[g, rows])
 
         over_heads(heads, KV, ctx.threads)
-        return self.o(o.reshape(H, T, D).transpose(1, 0, 2).reshape(T, H * D), ctx)  # [T, H*D]
+        return self.o(o.reshape(KV, T, rep, D).transpose(1, 0, 2, 3).reshape(T, H * D), ctx)  # [T, H*D]
 
     def _decode(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, ctx: Ctx) -> np.ndarray:
         """One token (q [1, H*D], k and v [1, KV*D]) -> attention output [1, H*D]: the norms, the rope, the
