@@ -725,13 +725,16 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
             ys = np.empty((T * k, group[0][1].down.rows), np.float32)
         glu_many([(expert, xs[span[e]]) for e, expert in group], ctx, [ys[span[e]] for e, _ in group])
     assert ys is not None
-    ys *= w.ravel()[flat][:, None]  # each row scaled by its pair's weight
-    inverse = np.empty_like(flat)
-    inverse[flat] = np.arange(flat.size)
-    contrib = ys[inverse].reshape(T, k, -1)  # [T, k, out]: [t, j] = w[t, j] * expert_{idx[t, j]}(x[t])
-    out = contrib[:, 0].copy()
+    row = np.empty_like(flat)  # [T, k]: the row of ys holding expert_{idx[t, j]}(x[t])
+    row[flat] = np.arange(flat.size)
+    row = row.reshape(T, k)
+    # slot by slot, each a gather of T rows scaled by its weights, summed in top-k order
+    out = ys[row[:, 0]]  # [T, out]
+    out *= w[:, :1]
     for j in range(1, k):
-        out += contrib[:, j]
+        term = ys[row[:, j]]
+        term *= w[:, j : j + 1]
+        out += term
     return out
 
 
