@@ -247,15 +247,9 @@ def test_over_heads_raises_what_a_part_raises(failing):
     assert sorted(finished) == [h for h in range(4) if h != failing]
 
 
-@pytest.mark.parametrize(
-    "H,KV,window,n_prefix,n",
-    [(8, 4, None, 5, 11), (6, 3, 4, 5, 11), (4, 1, None, 5, 11), (4, 2, None, 70, 150), (4, 2, 40, 70, 150)],
-)
-def test_prefill_same_bits_at_every_thread_count(H, KV, window, n_prefix, n):
-    """A prompt after a cached prefix, its heads split among 1..4 threads: the same bytes, and softmax
-    attention to rounding (the whole prompt token by token through the C decode). 150 positions take
-    three blocks of queries (PREFILL_QUERIES), and a window of 40 leaves keys before the blocks'."""
-    attn, rng = make_attention(H, KV, 32, True, window=window)
+def check_prefill_after_prefix(attn, rng: np.random.Generator, n_prefix: int, n: int) -> None:
+    """n positions prefilled after a cached prefix of n_prefix, the heads split among 1..4 threads: the same
+    bytes at every thread count, and to rounding what one-token decode gives position by position."""
     prefix = rng.standard_normal((n_prefix, 48)).astype(np.float32)
     x = rng.standard_normal((n, 48)).astype(np.float32)
     outs = []
@@ -269,6 +263,18 @@ def test_prefill_same_bits_at_every_thread_count(H, KV, window, n_prefix, n):
     steps = np.concatenate([attn(x[t : t + 1], cache, Ctx()) for t in range(len(x))])
     whole = np.frombuffer(outs[0], np.float32).reshape(steps.shape)
     assert np.abs(steps - whole).max() <= 1e-5 * np.abs(whole).max()
+
+
+@pytest.mark.parametrize(
+    "H,KV,window,n_prefix,n",
+    [(8, 4, None, 5, 11), (6, 3, 4, 5, 11), (4, 1, None, 5, 11), (4, 2, None, 70, 150), (4, 2, 40, 70, 150)],
+)
+def test_prefill_same_bits_at_every_thread_count(H, KV, window, n_prefix, n):
+    """A prompt after a cached prefix, its heads split among 1..4 threads: the same bytes, and softmax
+    attention to rounding (the whole prompt token by token through the C decode). 150 positions take
+    three blocks of queries (PREFILL_QUERIES), and a window of 40 leaves keys before the blocks'."""
+    attn, rng = make_attention(H, KV, 32, True, window=window)
+    check_prefill_after_prefix(attn, rng, n_prefix, n)
 
 
 @pytest.mark.parametrize("interleave", [False, True])
@@ -313,19 +319,7 @@ def make_mla(H: int = 4, nope: int = 16, rope_dim: int = 8, v_dim: int = 16, ran
 
 
 def test_mla_prefill_same_bits_at_every_thread_count():
-    """MLA prefill of 150 positions (three blocks of queries) after a cached prefix of 70: the same bytes
-    on 1..4 threads, and to rounding what the absorbed one-token decode gives position by position."""
+    """MLA prefill of 150 positions after a cached prefix of 70: the same bytes on 1..4 threads, and to
+    rounding what the absorbed one-token decode gives position by position."""
     attn, rng = make_mla()
-    prefix = rng.standard_normal((70, 48)).astype(np.float32)
-    x = rng.standard_normal((150, 48)).astype(np.float32)
-    outs = []
-    for threads in (1, 2, 3, 4):
-        cache = attn.new_cache()
-        attn(prefix, cache, Ctx(threads))
-        outs.append(attn(x, cache, Ctx(threads)).tobytes())
-    assert len(set(outs)) == 1
-    cache = attn.new_cache()
-    attn(prefix, cache, Ctx())
-    steps = np.concatenate([attn(x[t : t + 1], cache, Ctx()) for t in range(len(x))])
-    whole = np.frombuffer(outs[0], np.float32).reshape(steps.shape)
-    assert np.abs(steps - whole).max() <= 1e-5 * np.abs(whole).max()
+    check_prefill_after_prefix(attn, rng, 70, 150)
