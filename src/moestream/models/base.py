@@ -69,12 +69,18 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.add.reduce(e, axis=axis, keepdims=True)
 
 
+def exp_shifted_inplace(x: np.ndarray) -> np.ndarray:
+    """x := exp(x - max over the last axis), in place (float32); returns the sums over that axis
+    (keepdims): softmax's numerator and denominator, for callers that divide later."""
+    np.subtract(x, np.maximum.reduce(x, axis=-1, keepdims=True), out=x)
+    np.exp(x, out=x)
+    return np.add.reduce(x, axis=-1, keepdims=True)
+
+
 def softmax_last_inplace(x: np.ndarray) -> np.ndarray:
     """softmax(x) over the last axis, with its bits, written over x (float32): no temporaries the size of
     x, which for prefill attention scores are megabytes each."""
-    np.subtract(x, np.maximum.reduce(x, axis=-1, keepdims=True), out=x)
-    np.exp(x, out=x)
-    np.divide(x, np.add.reduce(x, axis=-1, keepdims=True), out=x)
+    np.divide(x, exp_shifted_inplace(x), out=x)
     return x
 
 
@@ -341,9 +347,7 @@ class GQAttention:
                         by_query[:, :, pos0 + t0 - s0 :] += causal_mask(0, t1 - t0, t1 - t0)[:, None]
                     else:
                         by_query += causal_mask(pos0 + t0, t1 - t0, s1, window)[:, None, s0:]
-                    np.subtract(scores, np.maximum.reduce(scores, axis=-1, keepdims=True), out=scores)
-                    np.exp(scores, out=scores)
-                    total = np.add.reduce(scores, axis=-1, keepdims=True)  # [n*rep, 1]
+                    total = exp_shifted_inplace(scores)  # [n*rep, 1]; the division comes after p V
                     np.divide(np.matmul(scores, values[g, s0:s1], out=o[g, rows]), total, out=o[g, rows])
 
         over_heads(heads, KV, ctx.threads)
