@@ -1,14 +1,18 @@
 """GB/s of weights streamed by the matvec kernels, per format, for three decode shapes at 1 and 2 threads,
-beside a plain memory read measured just before and just after each kernel measurement (their mean is the
-baseline of that cell). Each measurement cycles through enough copies of the matrix (>= 1 GB) that the
-weights come from memory, as in decode.
+beside a plain memory read. This machine's read bandwidth moves by half within minutes, so each cell
+alternates the two: read, kernel, read, kernel, ..., read (--rounds kernel runs of --seconds each); each
+kernel run is taken against the mean of the reads on either side of it, and the cell shows the medians
+over its rounds. Each run cycles through enough copies of the matrix (>= 1 GB) that the weights come
+from memory, as in decode.
 
-    python3 benchmarks/kernels.py [--formats bf16,q4_k,...] [--seconds 0.3]
+    python3 benchmarks/kernels.py [--formats bf16,q4_k,...] [--seconds 0.2] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -54,13 +58,24 @@ def copies(w: Weight, total: float = 1.2e9) -> list[Weight]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--seconds", type=float, default=0.3)
+    ap.add_argument("--seconds", type=float, default=0.2)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     print(f"machine: {machine()}\ncommit: {commit()}\n")
     buf = np.ones(1 << 30, np.uint8)
 
     def read_gbs(t: int) -> float:
-        return (1 << 30) / best_time(lambda: _C.memread(buf, t), 3, args.seconds) / 1e9
+        return (1 << 30) / best_time(lambda: _C.memread(buf, t), 1, args.seconds) / 1e9
+
+    def alternate(step: Callable[[], None], nbytes: int, t: int) -> tuple[float, float, float]:
+        """(kernel GB/s, its share of the read, read GB/s): medians over the rounds, each kernel run
+        against the mean of the reads just before and just after it."""
+        reads, runs = [read_gbs(t)], []
+        for _ in range(args.rounds):
+            runs.append(nbytes / best_time(step, 1, args.seconds) / 1e9)
+            reads.append(read_gbs(t))
+        shares = [k / ((a + b) / 2) for k, a, b in zip(runs, reads, reads[1:], strict=False)]
+        return statistics.median(runs), statistics.median(shares), statistics.median(reads)
 
     rng = np.random.default_rng(0)
     rows: list[list[object]] = []
@@ -77,12 +92,9 @@ def main() -> None:
                     ws[i[0] % len(ws)].matmul(x, t)
                     i[0] += 1
 
-                # the memory read just before and just after the kernel: the machine's bandwidth moves
-                # within minutes, so each share is taken against the read of the same moment
-                before = read_gbs(t)
-                gbs = ws[0].nbytes / best_time(step, 3, args.seconds) / 1e9
-                base.append((before + read_gbs(t)) / 2)
-                cells += [f"{gbs:.1f}", f"{100 * gbs / base[-1]:.0f}%"]
+                gbs, share, read = alternate(step, ws[0].nbytes, t)
+                base.append(read)
+                cells += [f"{gbs:.1f}", f"{100 * share:.0f}%"]
             cells.append(f"{base[0]:.1f} / {base[1]:.1f}")
             rows.append(cells)
             del ws
