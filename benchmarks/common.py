@@ -13,10 +13,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def machine() -> str:
     from moestream import _C
-    from moestream.doctor import cpu_model
+    from moestream.doctor import blas_facts, cpu_model
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, kernels: {_C.get_isa()}"
+    blas = blas_facts()
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, kernels: {_C.get_isa()}, "
+        f"numpy BLAS: {blas['library']} {blas['architecture']}"
+        + (f" (OPENBLAS_CORETYPE={blas['coretype_env']})" if blas["coretype_env"] else "")
+    )
 
 
 def commit() -> str:

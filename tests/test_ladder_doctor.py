@@ -14,6 +14,7 @@ import pytest
 
 import moestream
 from moestream.console import LiveStatus, prefill_progress
+from moestream.doctor import blas_advice, blas_facts
 from moestream.formats.packed import pack
 from moestream.synth import synth
 from test_cli import assert_user_error, cli
@@ -75,6 +76,21 @@ def test_doctor_reports_the_machine_and_recommends_a_preset(k3_pack):
     assert re.search(r"recommendation: --preset \w+ \([0-9.]+ GiB\): about [0-9.]+ s/token", out)
     p = cli("doctor", "--seconds", "0.2")  # the demo model: resident, no ladder
     assert p.returncode == 0 and "not a packed store" in p.stdout
+    blas = blas_facts()  # what this test process loaded: the same numpy as the CLI's
+    assert f"numpy BLAS: {blas['library']} {blas['version']}, {blas['architecture']} kernels" in p.stdout
+
+
+def test_doctor_advises_on_avx2_blas_kernels_on_an_avx512_cpu():
+    avx512 = ["scalar", "avx2", "avx512"]
+    forced = {"library": "openblas", "version": "0.3.31", "architecture": "Haswell", "coretype_env": "Haswell"}
+    advice = blas_advice(forced, avx512)
+    assert advice is not None and "OPENBLAS_CORETYPE=Haswell is set" in advice
+    advice = blas_advice({**forced, "coretype_env": ""}, avx512)
+    assert advice is not None and "did not recognise" in advice and "OPENBLAS_CORETYPE=SkylakeX" in advice
+    assert blas_advice({**forced, "architecture": "SkylakeX"}, avx512) is None
+    assert blas_advice({**forced, "architecture": "Cooperlake"}, avx512) is None
+    assert blas_advice(forced, ["scalar", "avx2"]) is None  # an AVX2 CPU: Haswell kernels are its best
+    assert blas_advice({**forced, "library": "mkl"}, avx512) is None
 
 
 def test_progress_and_live_status_do_not_change_results(capsys):

@@ -1,7 +1,8 @@
 """`moestream doctor`: what this machine offers a model and which budget to run it with.
 
 CPU (model, cores, the SIMD paths the kernels can use), memory (total, available, the cgroup limit), the
-memory read bandwidth the kernels see and the O_DIRECT read bandwidth of the model's disk; then, for a
+memory read bandwidth the kernels see, numpy's BLAS and its kernels (prefill attention multiplies there),
+and the O_DIRECT read bandwidth of the model's disk; then, for a
 packed store, the plan each preset would make and an estimate of its seconds per token:
 
     estimate = bytes read per token / disk bandwidth + active weight bytes per token / memory bandwidth
@@ -15,6 +16,7 @@ measures."""
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 from pathlib import Path
@@ -50,6 +52,42 @@ def memory_bandwidth(threads: int) -> float:
     return buf.nbytes / best / 1e9
 
 
+# OpenBLAS kernel families that use AVX2 at most (threadpoolctl's "architecture"); on a CPU with AVX-512
+# they leave half of its float multiply-add width unused
+_AVX2_BLAS_CORES = {"haswell", "zen", "sandybridge", "nehalem", "prescott", "core2", "penryn", "dunnington"}
+
+
+def blas_facts() -> dict[str, str]:
+    """numpy's BLAS as threadpoolctl sees it: library, version, kernel family; and OPENBLAS_CORETYPE."""
+    import threadpoolctl
+
+    for lib in threadpoolctl.threadpool_info():
+        if lib.get("user_api") == "blas":
+            return {
+                "library": str(lib.get("internal_api", "unknown")),
+                "version": str(lib.get("version") or "unknown"),
+                "architecture": str(lib.get("architecture") or "unknown"),
+                "coretype_env": os.environ.get("OPENBLAS_CORETYPE", ""),
+            }
+    return {"library": "none", "version": "", "architecture": "", "coretype_env": ""}
+
+
+def blas_advice(blas: dict[str, str], simd: list[str]) -> str | None:
+    """A line for doctor when numpy's OpenBLAS runs AVX2 kernels on a CPU with AVX-512 (prefill attention's
+    products run there), else None."""
+    if blas["library"] != "openblas" or "avx512" not in simd or blas["architecture"].lower() not in _AVX2_BLAS_CORES:
+        return None
+    why = (
+        f"OPENBLAS_CORETYPE={blas['coretype_env']} is set in the environment"
+        if blas["coretype_env"]
+        else "OpenBLAS did not recognise this CPU (OPENBLAS_CORETYPE=SkylakeX chooses its AVX-512 kernels)"
+    )
+    return (
+        f"note: numpy's OpenBLAS runs its {blas['architecture']} (AVX2) kernels on this AVX-512 CPU: {why}; "
+        "prefill attention multiplies there (its SkylakeX kernels did those products 1.8x as fast on Zen 5)"
+    )
+
+
 def machine_facts(threads: int) -> dict[str, Any]:
     return {
         "cpu": cpu_model(),
@@ -60,6 +98,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "mem_available": planner.mem_available(),
         "cgroup_limit": planner.cgroup_limit(),
         "memory_read_gb_s": memory_bandwidth(threads),
+        "blas": blas_facts(),
     }
 
 
@@ -96,6 +135,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         f"memory: {_gb(facts['mem_total'])} total, {_gb(facts['mem_available'])} available, cgroup limit "
         f"{_gb(limit) if limit else 'none'}; kernels read memory at {facts['memory_read_gb_s']:.1f} GB/s"
     )
+    blas = facts["blas"]
+    print(f"numpy BLAS: {blas['library']} {blas['version']}, {blas['architecture']} kernels")
+    advice = blas_advice(blas, facts["simd"])
+    if advice:
+        print(advice)
     path = Path(args.model) if args.model else default_model_path()
     if not path.exists():
         raise InputError(f"model directory {path} does not exist")
