@@ -80,6 +80,26 @@ def test_doctor_reports_the_machine_and_recommends_a_preset(k3_pack):
     assert f"numpy BLAS: {blas['library']} {blas['version']}, {blas['architecture']} kernels" in p.stdout
 
 
+def test_doctor_names_numpys_blas_beside_another_packages_blas(monkeypatch):
+    import threadpoolctl
+
+    numpy_home = Path(np.__file__).resolve().parent
+    ours = {"user_api": "blas", "internal_api": "openblas", "version": "9.9.ours", "architecture": "SkylakeX"}
+    ours["filepath"] = str(numpy_home.with_name("numpy.libs") / "libscipy_openblas64_-x.so")
+    other = {"user_api": "blas", "internal_api": "openblas", "version": "0.0.other", "architecture": "Haswell"}
+    other["filepath"] = "/elsewhere/scipy.libs/libscipy_openblas-y.so"  # scipy's wheels carry their own
+    omp = {"user_api": "openmp", "internal_api": "openmp", "version": None, "filepath": "/elsewhere/libgomp.so"}
+
+    def facts_with(libs):
+        monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: libs)
+        return blas_facts()
+
+    assert facts_with([omp, other, ours])["version"] == "9.9.ours"  # numpy's, whichever loaded first
+    assert facts_with([other])["version"] == "0.0.other"  # the only one (a numpy linked to a system BLAS)
+    assert facts_with([other, dict(other, filepath="/x/libmkl_rt.so")])["library"] == "unknown"
+    assert facts_with([omp])["library"] == "none"
+
+
 def test_doctor_advises_on_avx2_blas_kernels_on_an_avx512_cpu():
     avx512 = ["scalar", "avx2", "avx512"]
     forced = {"library": "openblas", "version": "0.3.31", "architecture": "Haswell", "coretype_env": "Haswell"}

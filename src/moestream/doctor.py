@@ -58,18 +58,28 @@ _AVX2_BLAS_CORES = {"haswell", "zen", "sandybridge", "nehalem", "prescott", "cor
 
 
 def blas_facts() -> dict[str, str]:
-    """numpy's BLAS as threadpoolctl sees it: library, version, kernel family; and OPENBLAS_CORETYPE."""
+    """numpy's BLAS as threadpoolctl sees it: library, version, kernel family; and OPENBLAS_CORETYPE.
+    Other packages may load BLAS libraries of their own (scipy's wheels bundle another OpenBLAS): numpy's
+    is the one under its package directory or the wheel's numpy.libs beside it, else the only one."""
+    import numpy
     import threadpoolctl
 
-    for lib in threadpoolctl.threadpool_info():
-        if lib.get("user_api") == "blas":
-            return {
-                "library": str(lib.get("internal_api", "unknown")),
-                "version": str(lib.get("version") or "unknown"),
-                "architecture": str(lib.get("architecture") or "unknown"),
-                "coretype_env": os.environ.get("OPENBLAS_CORETYPE", ""),
-            }
-    return {"library": "none", "version": "", "architecture": "", "coretype_env": ""}
+    home = Path(numpy.__file__).resolve().parent
+    libs = [lib for lib in threadpoolctl.threadpool_info() if lib.get("user_api") == "blas"]
+    own = [
+        lib
+        for lib in libs
+        if any(Path(lib["filepath"]).resolve().is_relative_to(d) for d in (home, home.with_name(home.name + ".libs")))
+    ]
+    lib = own[0] if own else libs[0] if len(libs) == 1 else None
+    if lib is None:
+        return {"library": "unknown" if libs else "none", "version": "", "architecture": "", "coretype_env": ""}
+    return {
+        "library": str(lib.get("internal_api", "unknown")),
+        "version": str(lib.get("version") or "unknown"),
+        "architecture": str(lib.get("architecture") or "unknown"),
+        "coretype_env": os.environ.get("OPENBLAS_CORETYPE", ""),
+    }
 
 
 def blas_advice(blas: dict[str, str], simd: list[str]) -> str | None:
@@ -136,7 +146,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         f"{_gb(limit) if limit else 'none'}; kernels read memory at {facts['memory_read_gb_s']:.1f} GB/s"
     )
     blas = facts["blas"]
-    print(f"numpy BLAS: {blas['library']} {blas['version']}, {blas['architecture']} kernels")
+    known = blas["library"] not in ("none", "unknown")
+    print(f"numpy BLAS: {blas['library']}" + (f" {blas['version']}, {blas['architecture']} kernels" if known else ""))
     advice = blas_advice(blas, facts["simd"])
     if advice:
         print(advice)
