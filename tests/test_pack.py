@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from moestream.errors import CheckpointError, InputError
 from moestream.formats import packed
 from moestream.formats.checkpoint import Checkpoint
 from moestream.formats.packed import ALIGN, PackedStore, pack, verify
+from moestream.ordered_map import ordered_map
 from moestream.quant import blocks
 from moestream.synth import synth
 
@@ -170,3 +172,61 @@ def test_q4_k_m_mix_follows_llama_cpp(tmp_path):
     assert sum(e["format"] == "q6_k" for e in mats.values()) == 1 + 4 * (1 + 4)
     m = moestream.load(out)
     assert np.isfinite(m.logits([1, 2, 3])).all()
+
+
+def test_threads_convert_in_parallel_into_the_same_store(k3, tmp_path, monkeypatch):
+    """Matrices convert several at a time, and the store (manifest, trunk, experts) and the --report sums
+    are byte for byte those of one thread, also when the budget makes the large matrices convert alone."""
+    threads_seen: set[int] = set()
+    convert = packed._convert
+
+    def spy(*args, **kwargs):
+        threads_seen.add(threading.get_ident())
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(packed, "_convert", spy)
+    stores = {}
+    for n, budget in ((1, packed.CONVERT_BUDGET), (3, packed.CONVERT_BUDGET), (2, 300_000)):
+        monkeypatch.setattr(packed, "CONVERT_BUDGET", budget)
+        threads_seen.clear()
+        report = packed.Report({}, {}, {})
+        dst = pack(k3, tmp_path / f"t{n}", experts="q4_k", trunk="q8_0", progress=False, report=report, threads=n)
+        main = threading.get_ident()
+        assert threads_seen == {main} if n == 1 else threads_seen and main not in threads_seen
+        files = {f: (dst / f).read_bytes() for f in ("manifest.json", "trunk.bin", "experts.bin")}
+        stores[n] = (files, report.rows())
+    assert stores[3] == stores[1] and stores[2] == stores[1]
+
+
+def test_ordered_map_keeps_order_and_budget_and_raises_in_turn():
+    cost = {i: (5 if i % 7 == 3 else 1) for i in range(40)}  # some items cost the whole budget
+    budget = 5
+    live: set[int] = set()  # started, not yet handed back
+    lock = threading.Lock()
+    over: list[int] = []
+
+    def fn(i: int) -> int:
+        with lock:
+            live.add(i)
+            if len(live) > 1 and sum(cost[j] for j in live) > budget:
+                over.append(i)
+        return i * i
+
+    out = []
+    for i, r in ordered_map(fn, range(40), 3, cost.__getitem__, budget):
+        with lock:
+            live.discard(i)
+        out.append((i, r))
+    assert out == [(i, i * i) for i in range(40)] and not over
+
+    def boom(i: int) -> int:
+        if i == 5:
+            raise ValueError("bad item")
+        return i
+
+    got = []
+    with pytest.raises(ValueError, match="bad item"):
+        for _, r in ordered_map(boom, range(20), 2, lambda i: 1, 100):
+            got.append(r)
+    assert got == [0, 1, 2, 3, 4]
+    assert list(ordered_map(boom, range(5), 1, lambda i: 1, 1)) == [(i, i) for i in range(5)]

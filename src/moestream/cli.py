@@ -247,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--trunk", default="keep", choices=PACK_FORMATS, help="format of the other matrices")
     k.add_argument("--force", action="store_true", help="replace DST if it exists")
     k.add_argument(
+        "--threads",
+        "-t",
+        type=_int_at_least(1),
+        default=None,
+        help="matrices converted at once (default: all cores); the store is the same for any count",
+    )
+    k.add_argument(
         "--report",
         action="store_true",
         help="print the relative RMS weight error per tensor class and the KL divergence of the output "
@@ -623,7 +630,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from .formats.packed import Report, pack
 
     report = Report({}, {}, {}) if args.report else None
-    out = pack(args.src, args.dst, experts=args.experts, trunk=args.trunk, force=args.force, report=report)
+    formats = {"experts": args.experts, "trunk": args.trunk}
+    out = pack(args.src, args.dst, **formats, force=args.force, report=report, threads=args.threads)
     print(out)
     if report is not None:
         from .generate import load

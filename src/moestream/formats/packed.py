@@ -12,6 +12,7 @@ kept as they are.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import CheckpointError, InputError
+from ..ordered_map import ordered_map
 from ..quant import FORMATS, Weight, blocks
 from ..quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
 from .checkpoint import Checkpoint, TensorStore, read_json
@@ -177,6 +179,31 @@ def quantize(fmt: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return blocks.quantize(fmt, w), None
 
 
+# bytes of f32 source copies that conversions may hold at once (a larger matrix converts alone)
+CONVERT_BUDGET = 1 << 30
+
+
+@dataclass
+class _Converted:
+    """A matrix in its pack format, and (for --report) its squared error and squared norm."""
+
+    data: np.ndarray
+    scales: np.ndarray | None
+    sq_err: float
+    sq: float
+
+
+def _convert(ckpt: Checkpoint, m: Matrix, fmt: str, measure: bool) -> _Converted:
+    original = source_weight(ckpt, m).dequantize()  # [rows, cols] f32
+    data, scales = quantize(fmt, original)
+    sq_err = sq = 0.0
+    if measure:
+        back = Weight(np.ascontiguousarray(data).reshape(m.rows, -1), scales, fmt=fmt).reference()
+        sq_err = float(np.sum((back.astype(np.float64) - original) ** 2))
+        sq = float(np.sum(original.astype(np.float64) ** 2))
+    return _Converted(data, scales, sq_err, sq)
+
+
 def fits(fmt: str, cols: int) -> bool:
     return fmt == "keep" or cols % FORMATS[fmt].block == 0
 
@@ -201,11 +228,11 @@ class _Writer:
             self.pos += pad
 
     def write(self, arr: np.ndarray) -> tuple[int, int, int]:
-        raw = np.ascontiguousarray(arr).tobytes()
+        raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data  # its bytes, not a copy of them
         off = self.pos
         self.f.write(raw)
-        self.pos += len(raw)
-        return off, len(raw), zlib.crc32(raw)
+        self.pos += raw.nbytes
+        return off, raw.nbytes, zlib.crc32(raw)
 
     def close(self) -> None:
         self.f.flush()
@@ -254,7 +281,10 @@ def pack(
     force: bool = False,
     progress: bool | None = None,
     report: Report | None = None,
+    threads: int | None = None,
 ) -> Path:
+    """Writes the packed store of src to dst (see the module docstring); threads: how many matrices
+    convert at once (default: one per core); the store's bytes are the same for any count."""
     for what, fmt in (("--experts", experts), ("--trunk", trunk)):
         if fmt not in PACK_FORMATS:
             raise InputError(f"pack: {what} {fmt!r} is not a format (choose from {', '.join(PACK_FORMATS)})")
@@ -291,7 +321,10 @@ def pack(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
-        manifest = _write(ckpt, tmp, matrices, others, target, progress, experts, trunk, report)
+        from ..generate import default_threads  # generate imports this module
+
+        n_threads = default_threads() if threads is None else max(1, threads)
+        manifest = _write(ckpt, tmp, matrices, others, target, progress, experts, trunk, report, n_threads)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         shutil.copy(src / "config.json", tmp / "config.json")
         for f in [*TOKENIZER_FILES, *(p.name for p in Path(src).glob("tokenization_*.py"))]:
@@ -317,7 +350,8 @@ def _write(
     progress: bool | None,
     experts_fmt: str,
     trunk_fmt: str,
-    report: Report | None = None,
+    report: Report | None,
+    threads: int,
 ) -> dict[str, Any]:
     writers = {"trunk": _Writer(tmp / "trunk.bin"), "experts": _Writer(tmp / "experts.bin")}
     tensors: dict[str, Any] = {}
@@ -336,23 +370,21 @@ def _write(
             "crc32": crc,
         }
 
-    def put_matrix(w: _Writer, m: Matrix) -> None:
+    def put_matrix(w: _Writer, m: Matrix, conv: _Converted | None) -> None:
         fmt = target(m)
         cls = tensor_class(m.name)
         if report is not None:
             report.formats.setdefault(cls, set()).add(fmt)
             report.sq_err.setdefault(cls, 0.0)
             report.sq.setdefault(cls, 0.0)
-        if fmt == "keep":
+        if conv is None:  # kept as it is
             for t in m.tensors:
                 put_raw(w, t)
             return
-        original = source_weight(ckpt, m).dequantize()
-        data, scales = quantize(fmt, original)
-        if report is not None:
-            back = Weight(np.ascontiguousarray(data).reshape(m.rows, -1), scales, fmt=fmt).reference()
-            report.sq_err[cls] += float(np.sum((back.astype(np.float64) - original) ** 2))
-            report.sq[cls] += float(np.sum(original.astype(np.float64) ** 2))
+        data, scales = conv.data, conv.scales
+        if report is not None:  # summed in the matrices' order, whatever thread converted them
+            report.sq_err[cls] += conv.sq_err
+            report.sq[cls] += conv.sq
         off, n, crc = w.write(data)
         entry: dict[str, Any] = {
             "file": "trunk" if w is writers["trunk"] else "experts",
@@ -385,20 +417,36 @@ def _write(
         unit="tensor",
         disable=None if progress is None else not progress,
     )
+    items = [(name, m) for name, m in trunk_items] + [(m.name, m) for m in expert_items]
+    requantized = {name for name, m in items if m is not None and target(m) != "keep"}
+
+    def convert(item: tuple[str, Matrix | None]) -> _Converted | None:
+        name, m = item
+        if m is None or name not in requantized:
+            return None
+        return _convert(ckpt, m, target(m), report is not None)
+
+    def cost(item: tuple[str, Matrix | None]) -> int:  # the f32 copy of the source a conversion holds
+        name, m = item
+        return m.rows * m.cols * 4 if m is not None and name in requantized else 0
+
+    # matrices are converted `threads` at a time, ahead of the writes, which stay in order
+    converted = ordered_map(convert, items, threads, cost, CONVERT_BUDGET)
     w = writers["trunk"]
     group = None
-    for name, m in trunk_items:
+    for (name, m), conv in itertools.islice(converted, len(trunk_items)):
         if _group_key(name) != group:
             group = _group_key(name)
             w.align()
         if m is None:
             put_raw(w, name)
         else:
-            put_matrix(w, m)
+            put_matrix(w, m, conv)
         bar.update(1)
     w = writers["experts"]
     key = None
-    for m in expert_items:
+    for (_, m), conv in converted:
+        assert m is not None
         layer = _LAYER.search(m.name)
         k = f"{layer.group(1) if layer else '?'}.{_EXPERT.search(m.name).group(1)}"  # type: ignore[union-attr]
         if k != key:
@@ -407,7 +455,7 @@ def _write(
             w.align()
             key = k
             blobs[k] = {"offset": w.pos, "nbytes": 0}
-        put_matrix(w, m)
+        put_matrix(w, m, conv)
         bar.update(1)
     if key is not None:
         blobs[key]["nbytes"] = w.pos - blobs[key]["offset"]
