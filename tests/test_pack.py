@@ -198,6 +198,32 @@ def test_threads_convert_in_parallel_into_the_same_store(k3, tmp_path, monkeypat
     assert stores[3] == stores[1] and stores[2] == stores[1]
 
 
+@pytest.mark.parametrize(("experts", "trunk"), [("mxfp4", "fp8"), ("int4", "q6_k")])
+def test_large_matrices_convert_in_row_chunks_into_the_same_bytes(k3, tmp_path, monkeypatch, experts, trunk):
+    """Requantized matrices convert in chunks of 128-row multiples (fp8's scale blocks), each on its own,
+    so that a large embedding or head never needs its whole f32 copy: the store and the report's sums are
+    those of whole-matrix conversion."""
+    partial = []
+    convert = packed._convert
+
+    def spy(ckpt, m, rows, fmt, measure):
+        if rows != (0, m.rows):
+            partial.append((m.name, rows))
+        return convert(ckpt, m, rows, fmt, measure)
+
+    monkeypatch.setattr(packed, "_convert", spy)
+    out = {}
+    for chunk in (packed.CHUNK_ELEMENTS, 1):  # 1: every chunk is 128 rows
+        monkeypatch.setattr(packed, "CHUNK_ELEMENTS", chunk)
+        report = packed.Report({}, {}, {})
+        dst = pack(k3, tmp_path / f"c{chunk}", experts=experts, trunk=trunk, progress=False, report=report)
+        files = {f: (dst / f).read_bytes() for f in ("manifest.json", "trunk.bin", "experts.bin")}
+        out[chunk] = (files, [(c, f, round(e, 12)) for c, f, e in report.rows()])
+        verify(dst)
+    assert partial and all(r0 % 128 == 0 and r1 - r0 <= 128 for _, (r0, r1) in partial)
+    assert out[1] == out[packed.CHUNK_ELEMENTS]
+
+
 def test_ordered_map_keeps_order_and_budget_and_raises_in_turn():
     cost = {i: (5 if i % 7 == 3 else 1) for i in range(40)}  # some items cost the whole budget
     budget = 5

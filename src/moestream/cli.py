@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-t",
         type=_int_at_least(1),
         default=None,
-        help="matrices converted at once (default: all cores); the store is the same for any count",
+        help="matrix row chunks converted at once (default: all cores); the store is the same for any count",
     )
     k.add_argument(
         "--report",

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from ..errors import CheckpointError, InputError
 from ..ordered_map import ordered_map
 from ..quant import FORMATS, Weight, blocks
-from ..quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
+from ..quant.formats import FP8_BLOCK, quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
 from .checkpoint import Checkpoint, TensorStore, read_json
 from .safetensors import DTYPE_NAMES, DTYPES, MappedFile, TensorInfo
 
@@ -179,8 +179,19 @@ def quantize(fmt: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return blocks.quantize(fmt, w), None
 
 
-# bytes of f32 source copies that conversions may hold at once (a larger matrix converts alone)
+# bytes of f32 source rows that conversions may hold at once
 CONVERT_BUDGET = 1 << 30
+# a requantized matrix converts in chunks of about this many elements (64 MB as f32), whole multiples of
+# 128 rows (fp8's scale blocks): every format quantizes rows (fp8: 128-row blocks) on their own, so the
+# chunks give the bytes of the whole
+CHUNK_ELEMENTS = 1 << 24
+
+# (name, its matrix or None for a tensor copied as it is, rows [r0, r1) of a requantized matrix or None)
+_Piece = tuple[str, Matrix | None, tuple[int, int] | None]
+
+
+def chunk_rows(cols: int) -> int:
+    return max(FP8_BLOCK, CHUNK_ELEMENTS // cols // FP8_BLOCK * FP8_BLOCK)
 
 
 @dataclass
@@ -193,12 +204,14 @@ class _Converted:
     sq: float
 
 
-def _convert(ckpt: Checkpoint, m: Matrix, fmt: str, measure: bool) -> _Converted:
-    original = source_weight(ckpt, m).dequantize()  # [rows, cols] f32
+def _convert(ckpt: Checkpoint, m: Matrix, rows: tuple[int, int], fmt: str, measure: bool) -> _Converted:
+    """Rows [r0, r1) of m in fmt (r0 a multiple of FP8_BLOCK)."""
+    src = source_weight(ckpt, m)
+    original = (src if rows == (0, m.rows) else src.row_slice(*rows)).dequantize()  # [r1 - r0, cols] f32
     data, scales = quantize(fmt, original)
     sq_err = sq = 0.0
     if measure:
-        back = Weight(np.ascontiguousarray(data).reshape(m.rows, -1), scales, fmt=fmt).reference()
+        back = Weight(np.ascontiguousarray(data).reshape(rows[1] - rows[0], -1), scales, fmt=fmt).reference()
         sq_err = float(np.sum((back.astype(np.float64) - original) ** 2))
         sq = float(np.sum(original.astype(np.float64) ** 2))
     return _Converted(data, scales, sq_err, sq)
@@ -227,12 +240,13 @@ class _Writer:
             self.f.write(b"\0" * pad)
             self.pos += pad
 
-    def write(self, arr: np.ndarray) -> tuple[int, int, int]:
+    def write(self, arr: np.ndarray, crc: int = 0) -> tuple[int, int, int]:
+        """Appends arr's bytes: (offset, bytes, CRC32 continuing crc, the CRC of the bytes before them)."""
         raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data  # its bytes, not a copy of them
         off = self.pos
         self.f.write(raw)
         self.pos += raw.nbytes
-        return off, raw.nbytes, zlib.crc32(raw)
+        return off, raw.nbytes, zlib.crc32(raw, crc)
 
     def close(self) -> None:
         self.f.flush()
@@ -283,8 +297,8 @@ def pack(
     report: Report | None = None,
     threads: int | None = None,
 ) -> Path:
-    """Writes the packed store of src to dst (see the module docstring); threads: how many matrices
-    convert at once (default: one per core); the store's bytes are the same for any count."""
+    """Writes the packed store of src to dst (see the module docstring); threads: how many row chunks of
+    requantized matrices convert at once (default: one per core); the store is the same for any count."""
     for what, fmt in (("--experts", experts), ("--trunk", trunk)):
         if fmt not in PACK_FORMATS:
             raise InputError(f"pack: {what} {fmt!r} is not a format (choose from {', '.join(PACK_FORMATS)})")
@@ -370,33 +384,46 @@ def _write(
             "crc32": crc,
         }
 
-    def put_matrix(w: _Writer, m: Matrix, conv: _Converted | None) -> None:
+    def start_matrix(m: Matrix) -> str:
         fmt = target(m)
-        cls = tensor_class(m.name)
         if report is not None:
+            cls = tensor_class(m.name)
             report.formats.setdefault(cls, set()).add(fmt)
             report.sq_err.setdefault(cls, 0.0)
             report.sq.setdefault(cls, 0.0)
-        if conv is None:  # kept as it is
-            for t in m.tensors:
-                put_raw(w, t)
-            return
-        data, scales = conv.data, conv.scales
-        if report is not None:  # summed in the matrices' order, whatever thread converted them
+        return fmt
+
+    # the requantized matrix being written: its manifest entry and its scales so far (they follow the data)
+    current: dict[str, Any] = {}
+
+    def put_piece(w: _Writer, m: Matrix, rows: tuple[int, int], conv: _Converted) -> bool:
+        """Writes rows [r0, r1) of a requantized matrix after the rows before them; True once it is whole."""
+        if rows[0] == 0:
+            current.clear()
+            current["entry"] = {
+                "file": "trunk" if w is writers["trunk"] else "experts",
+                "format": start_matrix(m),
+                "rows": m.rows,
+                "cols": m.cols,
+                "offset": w.pos,
+                "nbytes": 0,
+                "crc32": 0,
+                "scales": None,
+            }
+            current["scales"] = []
+        entry = current["entry"]
+        _, n, entry["crc32"] = w.write(conv.data, entry["crc32"])
+        entry["nbytes"] += n
+        if conv.scales is not None:
+            current["scales"].append(conv.scales)
+        if report is not None:  # summed in the rows' order, whatever thread converted them
+            cls = tensor_class(m.name)
             report.sq_err[cls] += conv.sq_err
             report.sq[cls] += conv.sq
-        off, n, crc = w.write(data)
-        entry: dict[str, Any] = {
-            "file": "trunk" if w is writers["trunk"] else "experts",
-            "format": fmt,
-            "rows": m.rows,
-            "cols": m.cols,
-            "offset": off,
-            "nbytes": n,
-            "crc32": crc,
-            "scales": None,
-        }
-        if scales is not None:
+        if rows[1] < m.rows:
+            return False
+        if current["scales"]:
+            scales = np.concatenate(current["scales"])
             soff, sn, scrc = w.write(scales)
             entry["scales"] = {
                 "offset": soff,
@@ -406,6 +433,7 @@ def _write(
                 "crc32": scrc,
             }
         mats[m.name] = entry
+        return True
 
     trunk_items = [(n, None) for n in others] + [(m.name, m) for m in matrices.values() if not is_routed_expert(m.name)]
     trunk_items.sort(key=lambda it: _group_key(it[0]))
@@ -417,46 +445,63 @@ def _write(
         unit="tensor",
         disable=None if progress is None else not progress,
     )
-    items = [(name, m) for name, m in trunk_items] + [(m.name, m) for m in expert_items]
-    requantized = {name for name, m in items if m is not None and target(m) != "keep"}
 
-    def convert(item: tuple[str, Matrix | None]) -> _Converted | None:
-        name, m = item
-        if m is None or name not in requantized:
-            return None
-        return _convert(ckpt, m, target(m), report is not None)
+    def pieces(name: str, m: Matrix | None) -> list[_Piece]:
+        """A requantized matrix in row chunks (each converts on its own, so that memory stays bounded
+        however large the matrix); anything else whole."""
+        if m is None or target(m) == "keep":
+            return [(name, m, None)]
+        step = chunk_rows(m.cols)
+        return [(name, m, (r0, min(m.rows, r0 + step))) for r0 in range(0, m.rows, step)]
 
-    def cost(item: tuple[str, Matrix | None]) -> int:  # the f32 copy of the source a conversion holds
-        name, m = item
-        return m.rows * m.cols * 4 if m is not None and name in requantized else 0
+    trunk_pieces = [p for name, m in trunk_items for p in pieces(name, m)]
+    items = trunk_pieces + [p for m in expert_items for p in pieces(m.name, m)]
 
-    # matrices are converted `threads` at a time, ahead of the writes, which stay in order
+    def convert(item: _Piece) -> _Converted | None:
+        _, m, rows = item
+        return None if m is None or rows is None else _convert(ckpt, m, rows, target(m), report is not None)
+
+    def cost(item: _Piece) -> int:  # the f32 copy of the source rows a conversion holds
+        _, m, rows = item
+        return 0 if m is None or rows is None else (rows[1] - rows[0]) * m.cols * 4
+
+    # row chunks convert `threads` at a time, ahead of the writes, which stay in order
     converted = ordered_map(convert, items, threads, cost, CONVERT_BUDGET)
-    w = writers["trunk"]
-    group = None
-    for (name, m), conv in itertools.islice(converted, len(trunk_items)):
-        if _group_key(name) != group:
-            group = _group_key(name)
-            w.align()
+
+    def put(w: _Writer, piece: _Piece, conv: _Converted | None) -> None:
+        name, m, rows = piece
         if m is None:
             put_raw(w, name)
-        else:
-            put_matrix(w, m, conv)
+        elif rows is None or conv is None:  # kept as it is
+            start_matrix(m)
+            for t in m.tensors:
+                put_raw(w, t)
+        elif not put_piece(w, m, rows, conv):
+            return  # more rows to come
         bar.update(1)
+
+    w = writers["trunk"]
+    group = None
+    for piece, conv in itertools.islice(converted, len(trunk_pieces)):
+        name, _, rows = piece
+        if (rows is None or rows[0] == 0) and _group_key(name) != group:
+            group = _group_key(name)
+            w.align()
+        put(w, piece, conv)
     w = writers["experts"]
     key = None
-    for (_, m), conv in converted:
-        assert m is not None
-        layer = _LAYER.search(m.name)
-        k = f"{layer.group(1) if layer else '?'}.{_EXPERT.search(m.name).group(1)}"  # type: ignore[union-attr]
-        if k != key:
-            if key is not None:
-                blobs[key]["nbytes"] = w.pos - blobs[key]["offset"]
-            w.align()
-            key = k
-            blobs[k] = {"offset": w.pos, "nbytes": 0}
-        put_matrix(w, m, conv)
-        bar.update(1)
+    for piece, conv in converted:
+        name, _, rows = piece
+        if rows is None or rows[0] == 0:
+            layer = _LAYER.search(name)
+            k = f"{layer.group(1) if layer else '?'}.{_EXPERT.search(name).group(1)}"  # type: ignore[union-attr]
+            if k != key:
+                if key is not None:
+                    blobs[key]["nbytes"] = w.pos - blobs[key]["offset"]
+                w.align()
+                key = k
+                blobs[k] = {"offset": w.pos, "nbytes": 0}
+        put(w, piece, conv)
     if key is not None:
         blobs[key]["nbytes"] = w.pos - blobs[key]["offset"]
     bar.close()
