@@ -2,8 +2,8 @@
 
 CPU (model, cores, the SIMD paths the kernels can use), memory (total, available, the cgroup limit), the
 memory read bandwidth the kernels see, numpy's BLAS and its kernels (prefill attention multiplies there),
-and the O_DIRECT read bandwidth of the model's disk; then, for a
-packed store, the plan each preset would make and an estimate of its seconds per token:
+and the O_DIRECT read bandwidth of the model's disk; then, for a packed store, the plan each preset would
+make and an estimate of its seconds per token:
 
     estimate = bytes read per token / disk bandwidth + active weight bytes per token / memory bandwidth
                + layers x the per-layer cost that is neither (dispatch, attention, norms: ~1 ms measured

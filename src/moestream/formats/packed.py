@@ -196,7 +196,7 @@ def chunk_rows(cols: int) -> int:
 
 @dataclass
 class _Converted:
-    """A matrix in its pack format, and (for --report) its squared error and squared norm."""
+    """Rows of a matrix in their pack format, and (for --report) their squared error and squared norm."""
 
     data: np.ndarray
     scales: np.ndarray | None
