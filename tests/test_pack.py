@@ -256,3 +256,15 @@ def test_ordered_map_keeps_order_and_budget_and_raises_in_turn():
             got.append(r)
     assert got == [0, 1, 2, 3, 4]
     assert list(ordered_map(boom, range(5), 1, lambda i: 1, 1)) == [(i, i) for i in range(5)]
+
+
+def test_pack_cli_threads(k3, tmp_path):
+    from test_cli import assert_user_error, cli
+
+    assert_user_error(cli("pack", str(k3), str(tmp_path / "z"), "--threads", "0"), "--threads", "at least 1")
+    assert not (tmp_path / "z").exists()
+    p = cli("pack", str(k3), str(tmp_path / "cli"), "--experts", "q4_k", "--trunk", "q8_0", "--threads", "2")
+    assert p.returncode == 0, p.stderr
+    api = pack(k3, tmp_path / "api", experts="q4_k", trunk="q8_0", progress=False, threads=1)
+    for f in ("manifest.json", "trunk.bin", "experts.bin"):
+        assert (tmp_path / "cli" / f).read_bytes() == (api / f).read_bytes()
