@@ -298,7 +298,8 @@ def test_int4_layout():
 
 
 def test_silu_glu_is_the_plain_formula():
-    """silu_glu, one array and no temporaries, has the bits of silu(g) * u, overflow and NaN included."""
+    """silu and silu_glu, one array and no temporaries, have the bits of the plain formulas g / (1 + exp(-g))
+    and that times u, overflow and NaN included."""
     from moestream.models.base import silu, silu_glu
 
     rng = np.random.default_rng(5)
@@ -306,7 +307,9 @@ def test_silu_glu_is_the_plain_formula():
     g[0, :5] = [np.inf, -np.inf, np.nan, 100.0, -100.0]
     u = rng.standard_normal((64, 48)).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        want, got = silu(g) * u, silu_glu(g, u)
+        plain = g / (np.float32(1.0) + np.exp(-g))
+        want, got = plain * u, silu_glu(g, u)
+        assert silu(g).tobytes() == plain.tobytes()
     assert got.dtype == np.float32 and got.tobytes() == want.tobytes()
 
 

@@ -56,7 +56,12 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
+    """x / (1 + exp(-x)), its operations in one new array, without a temporary per step."""
+    h = np.negative(x)
+    np.exp(h, out=h)
+    h += np.float32(1.0)
+    np.divide(x, h, out=h)
+    return h
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -515,11 +520,8 @@ Glu = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 def silu_glu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """silu(g) * u: silu's float32 operations in one array, without a temporary per step."""
-    h = np.negative(g)
-    np.exp(h, out=h)
-    h += np.float32(1.0)
-    np.divide(g, h, out=h)
+    """silu(g) * u, in silu's array."""
+    h = silu(g)
     h *= u
     return h
 
