@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) VNNI void mx_group(const uint8_t *c
     /* The tile ahead_rows rows on, in address order: its R rows are contiguous, and a group takes 64 bytes of
      * each row, so R lines a group cover it by the end of this tile. Four rows at once, prefetched as four
      * streams (each row at the same column), ran at 78-86% of the read from memory (two threads,
-     * 4096x14336, read ~45 GB/s) and one stream at 84-90%; one thread 69% -> 82% */
+     * 4096x14336, read ~45 GB/s) and one stream at 86-91%; one thread 69% -> 82% */
     for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[0] + ahead + R * 16 * b + 64 * r), _MM_HINT_T0);
     int8_t *const q[3] = {x->p0 + 32 * b, x->p1 + 32 * b, x->p2 + 32 * b};
     __m512i p[6], noff, v[4];
