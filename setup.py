@@ -5,6 +5,7 @@ from setuptools import Extension, setup
 SOURCES = [
     "csrc/module.c",
     "csrc/attention.c",
+    "csrc/gemm_f32.c",
     "csrc/norm.c",
     "csrc/io.c",
     "csrc/matmul.c",
@@ -25,6 +26,7 @@ setup(
             sources=SOURCES,
             depends=[
                 "csrc/attention.h",
+                "csrc/gemm_f32.h",
                 "csrc/norm.h",
                 "csrc/io.h",
                 "csrc/quant.h",

@@ -5,6 +5,7 @@
 #include <errno.h>
 
 #include "attention.h"
+#include "gemm_f32.h"
 #include "io.h"
 #include "matmul.h"
 #include "norm.h"
@@ -339,6 +340,12 @@ static PyObject *py_pread(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(r);
 }
 
+/* A kernel's return code as the Python result: None, or NULL with MemoryError for -1 (scratch memory). */
+static PyObject *none_unless_out_of_memory(int rc) {
+    if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* A float32 buffer's length must be n floats (n < 0: any). */
 static int check_count(const Py_buffer *b, const char *name, long long n) {
     if (n >= 0 && b->len != n * (Py_ssize_t)sizeof(float)) {
@@ -404,12 +411,7 @@ static PyObject *py_gqa_decode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     rc = ms_gqa_decode(&a, threads);
     Py_END_ALLOW_THREADS
-    if (rc != 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    ret = Py_None;
-    Py_INCREF(ret);
+    ret = none_unless_out_of_memory(rc);
 done:
     for (int i = 0; i < NBUF; i++)
         if (held[i]) PyBuffer_Release(&b[i]);
@@ -439,17 +441,39 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     rc = ms_rms_norm(x.buf, w.buf, rows, n, eps, out.buf);
     Py_END_ALLOW_THREADS
-    if (rc != 0) {
-        PyErr_NoMemory();
-        goto release_all;
-    }
-    ret = Py_None;
-    Py_INCREF(ret);
+    ret = none_unless_out_of_memory(rc);
 release_all:
     PyBuffer_Release(&out);
 release_xw:
     PyBuffer_Release(&w);
     PyBuffer_Release(&x);
+    return ret;
+}
+
+static PyObject *py_gemm_f32(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj[3];
+    long long m, k, n;
+    int tb;
+    if (!PyArg_ParseTuple(args, "OOOLLLp", &obj[0], &obj[1], &obj[2], &m, &k, &n, &tb)) return NULL;
+    static const char *names[3] = {"a", "b", "out"};
+    Py_buffer b[3];
+    int held = 0;
+    PyObject *ret = NULL;
+    for (; held < 3; held++)
+        if (get_f32(obj[held], &b[held], held == 2, names[held]) < 0) goto done;
+    if (m < 0 || k < 0 || n < 0 || b[0].len != m * k * 4 || b[1].len != k * n * 4 || b[2].len != m * n * 4) {
+        PyErr_Format(PyExc_ValueError, "gemm_f32: a of %zd bytes, b of %zd, out of %zd for m %lld, k %lld, n %lld",
+                     b[0].len, b[1].len, b[2].len, m, k, n);
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ms_gemm_f32(b[0].buf, b[1].buf, b[2].buf, m, k, n, tb);
+    Py_END_ALLOW_THREADS
+    ret = none_unless_out_of_memory(rc);
+done:
+    while (held > 0) PyBuffer_Release(&b[--held]);
     return ret;
 }
 
@@ -464,6 +488,9 @@ static PyMethodDef methods[] = {
     {"gqa_decode", py_gqa_decode, METH_VARARGS,
      "gqa_decode(q, k, v, kcache, vcache, pos, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, "
      "interleave, scaling, window, out, threads): one token's attention, its key and value written at pos"},
+    {"gemm_f32", py_gemm_f32, METH_VARARGS,
+     "gemm_f32(a, b, out, m, k, n, transpose_b): out[m, n] = a[m, k] @ (b[n, k].T if transpose_b else b[k, n]), "
+     "each element one fused multiply-add chain over k in order (the same bits on every instruction set)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, w, eps, out): out = w * x / sqrt(mean(x^2) + eps) per row of len(w), numpy's float32 bits"},
     {"memread", py_memread, METH_VARARGS, "memread(buffer, threads): read every byte (bandwidth baseline)"},

@@ -2,7 +2,9 @@
 Decode attention (one new token against the key/value cache): the new key written to the cache has the
 numpy steps' bits, the output is softmax attention to float rounding, the sliding window is honoured,
 and the bits depend on neither the instruction set nor the thread count. Prefill attention splits its
-heads among threads (over_heads) with the same bits at every thread count."""
+heads among threads (over_heads) with the same bits at every thread count; its two products (scores,
+then p V) go through gemm_f32, one fused multiply-add chain per element, the same bits on every
+instruction set."""
 
 from __future__ import annotations
 
@@ -14,7 +16,17 @@ import pytest
 
 from moestream import _C
 from moestream.config import RopeSpec
-from moestream.models.base import Ctx, GQAttention, KVCache, Linear, MLAttention, Rope, over_heads, rms_norm
+from moestream.models.base import (
+    Ctx,
+    GQAttention,
+    KVCache,
+    Linear,
+    MLAttention,
+    Rope,
+    matmul_f32,
+    over_heads,
+    rms_norm,
+)
 from moestream.quant import Weight
 
 
@@ -323,3 +335,68 @@ def test_mla_prefill_same_bits_at_every_thread_count():
     rounding what the absorbed one-token decode gives position by position."""
     attn, rng = make_mla()
     check_prefill_after_prefix(attn, rng, 70, 150)
+
+
+def on_every_isa(fn):
+    before = _C.get_isa()
+    try:
+        out = {}
+        for isa in _C.supported_isas():
+            _C.set_isa(isa)
+            out[isa] = fn()
+        return out
+    finally:
+        _C.set_isa(before)
+
+
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 1, 1), (7, 13, 37), (6, 128, 32), (13, 64, 33), (512, 128, 70), (5, 0, 3), (0, 4, 4)]
+)
+@pytest.mark.parametrize("b_transposed", [False, True])
+def test_gemm_f32_same_bits_on_every_isa_and_within_rounding(m, k, n, b_transposed):
+    """Every row tile (6 and its tails) and column panel (16 / 32 and their tails), both layouts of b: the
+    same bytes on every instruction set, and the float64 product to within a k-step chain's rounding."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if b_transposed else (k, n)).astype(np.float32)
+    results = on_every_isa(lambda: matmul_f32(a, b, b_transposed).tobytes())
+    assert len(set(results.values())) == 1, list(results)
+    out = np.frombuffer(results["scalar"], np.float32).reshape(m, n)
+    bt = b.T if b_transposed else b
+    exact = a.astype(np.float64) @ bt.astype(np.float64)
+    bound = (k + 1) * 2.0**-24 * (np.abs(a).astype(np.float64) @ np.abs(bt).astype(np.float64))
+    assert np.all(np.abs(out - exact) <= bound)
+
+
+def test_gemm_f32_is_one_fused_chain_in_order():
+    """(-1) * 1 first, then fma((1 + 2^-12)^2, -1) = 2^-11 + 2^-24 exactly: a rounded product (2^-11) or the
+    other order (1 + 2^-11, then - 1) gives 2^-11."""
+    e = np.float32(1 + 2.0**-12)
+    a = np.array([[-1.0, e]] * 7, np.float32)  # 7 rows: a tile of 6 and a tail
+    b = np.tile(np.array([[1.0], [e]], np.float32), (1, 40))  # [2, 40]: a panel and a tail
+    want = np.float32(2.0**-11 + 2.0**-24)
+    for out in on_every_isa(lambda: matmul_f32(a, b)).values():
+        assert np.all(out == want)
+    for out in on_every_isa(lambda: matmul_f32(a, np.ascontiguousarray(b.T), b_transposed=True)).values():
+        assert np.all(out == want)
+
+
+def test_gemm_f32_bad_arguments_raise():
+    a, b, out = np.zeros((3, 4), np.float32), np.zeros((4, 5), np.float32), np.zeros((3, 5), np.float32)
+    _C.gemm_f32(a, b, out, 3, 4, 5, False)
+    for args in (
+        (a, b, out, 3, 4, 6, False),  # sizes that do not add up
+        (a, b, out, -3, 4, 5, False),
+        (a.astype(np.float64), b, out, 3, 4, 5, False),
+        (a, b, read_only(out), 3, 4, 5, False),
+        (np.zeros((3, 8), np.float32)[:, ::2], b, out, 3, 4, 5, False),  # not contiguous
+    ):
+        with pytest.raises(ValueError):
+            _C.gemm_f32(*args)
+
+
+def test_prefill_same_bits_on_every_isa():
+    attn, rng = make_attention(8, 2, 32, True)
+    x = rng.standard_normal((70, 48)).astype(np.float32)
+    results = on_every_isa(lambda: attn(x, attn.new_cache(), Ctx(2)).tobytes())
+    assert len(set(results.values())) == 1, list(results)

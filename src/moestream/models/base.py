@@ -92,6 +92,19 @@ def softmax_last_inplace(x: np.ndarray) -> np.ndarray:
 _head_pool: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool), made on first use
 
 
+def matmul_f32(a: np.ndarray, b: np.ndarray, b_transposed: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """a [m, k] @ b [k, n], or @ b.T for b [n, k] (b_transposed), in float32 (C-contiguous operands): each
+    element one fused multiply-add chain over k in order (csrc/gemm_f32.c), so the bits are the same on
+    every instruction set and whatever BLAS numpy carries."""
+    a, b = np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32)
+    m, k = a.shape
+    n = b.shape[0] if b_transposed else b.shape[1]
+    if out is None:
+        out = np.empty((m, n), np.float32)
+    _C.gemm_f32(a, b, out, m, k, n, b_transposed)
+    return out
+
+
 def over_heads(fn: Callable[[slice], None], n: int, threads: int) -> None:
     """fn(part) for contiguous parts of range(n) (attention heads), on up to `threads` threads: numpy's
     BLAS runs on the calling thread only (blas_threads.py), and releases the GIL in its products and ufunc
@@ -334,7 +347,9 @@ class GQAttention:
         keys, values = cache.append(k, v)  # [KV, S, D]
         rep = H // KV
         # the scaled queries, rows in (position, head of the group) order: a run of positions is a run of rows
-        qg = (q * self.scaling).reshape(T, KV, rep, D).transpose(1, 0, 2, 3).reshape(KV, T * rep, D)
+        qg = np.ascontiguousarray((q * self.scaling).reshape(T, KV, rep, D).transpose(1, 0, 2, 3)).reshape(
+            KV, T * rep, D
+        )
         o = np.empty((KV, T * rep, D), np.float32)  # [KV, T*rep, D]
         window = self.sliding_window
 
@@ -346,14 +361,14 @@ class GQAttention:
                     # first one's window
                     s0, s1 = 0 if window is None else max(0, pos0 + t0 - window + 1), pos0 + t1
                     rows = slice(t0 * rep, t1 * rep)
-                    scores = qg[g, rows] @ keys[g, s0:s1].T  # [n*rep, s]
+                    scores = matmul_f32(qg[g, rows], keys[g, s0:s1], b_transposed=True)  # [n*rep, s]
                     by_query = scores.reshape(t1 - t0, rep, s1 - s0)  # a view: the mask goes in place
                     if window is None:  # only the block of keys at the positions' own positions is masked
                         by_query[:, :, pos0 + t0 - s0 :] += causal_mask(0, t1 - t0, t1 - t0)[:, None]
                     else:
                         by_query += causal_mask(pos0 + t0, t1 - t0, s1, window)[:, None, s0:]
                     total = exp_shifted_inplace(scores)  # [n*rep, 1]; the division comes after p V
-                    np.divide(np.matmul(scores, values[g, s0:s1], out=o[g, rows]), total, out=o[g, rows])
+                    np.divide(matmul_f32(scores, values[g, s0:s1], out=o[g, rows]), total, out=o[g, rows])
 
         over_heads(heads, KV, ctx.threads)
         return self.o(o.reshape(KV, T, rep, D).transpose(1, 0, 2, 3).reshape(T, H * D), ctx)  # [T, H*D]
