@@ -512,14 +512,20 @@ class MLAttention:
             kv = self.kv_b_proj(c_all, ctx).reshape(S, H, N + V)  # [S, H, nope+v]
             k_nope, v = kv[..., :N], kv[..., N:]
             mask = causal_mask(pos0, T, S)  # [T, S]
+            # a head's query and keys as one vector each, nope then rope, so that a score is one product
+            qs = np.empty((H, T, N + R), np.float32)  # [H, T, nope+rope], scaled
+            np.multiply(q_nope.transpose(1, 0, 2), self.scaling, out=qs[..., :N])
+            np.multiply(q_rot.transpose(1, 0, 2), self.scaling, out=qs[..., N:])
             o_h = np.empty((H, T, V), np.float32)
 
             def heads(part: slice) -> None:
-                scores = np.matmul(q_nope[:, part].transpose(1, 0, 2), k_nope[:, part].transpose(1, 2, 0))
-                scores += np.matmul(q_rot[:, part].transpose(1, 0, 2), kr_all.T[None])  # [h, T, S]
-                scores *= self.scaling
-                scores += mask
-                np.matmul(softmax_last_inplace(scores), v[:, part].transpose(1, 0, 2), out=o_h[part])
+                k = np.empty((S, N + R), np.float32)  # [S, nope+rope]: head h's keys
+                k[:, N:] = kr_all
+                for h in range(part.start, part.stop):
+                    k[:, :N] = k_nope[:, h]
+                    scores = matmul_f32(qs[h], k, b_transposed=True)  # [T, S]
+                    scores += mask
+                    matmul_f32(softmax_last_inplace(scores), v[:, h], out=o_h[h])
 
             over_heads(heads, H, ctx.threads)
             o = o_h.transpose(1, 0, 2).reshape(T, H * V)  # [T, H*v]
