@@ -1,7 +1,7 @@
 """`moestream doctor`: what this machine offers a model and which budget to run it with.
 
 CPU (model, cores, the SIMD paths the kernels can use), memory (total, available, the cgroup limit), the
-memory read bandwidth the kernels see, numpy's BLAS and its kernels (prefill attention multiplies there),
+memory read bandwidth the kernels see, numpy's BLAS and its kernels (MLA decode attention multiplies there),
 and the O_DIRECT read bandwidth of the model's disk; then, for a packed store, the plan each preset would
 make and an estimate of its seconds per token:
 
@@ -83,8 +83,8 @@ def blas_facts() -> dict[str, str]:
 
 
 def blas_advice(blas: dict[str, str], simd: list[str]) -> str | None:
-    """A line for doctor when numpy's OpenBLAS runs AVX2 kernels on a CPU with AVX-512 (prefill attention's
-    products run there), else None."""
+    """A line for doctor when numpy's OpenBLAS runs AVX2 kernels on a CPU with AVX-512 (MLA decode
+    attention's products run there), else None."""
     if blas["library"] != "openblas" or "avx512" not in simd or blas["architecture"].lower() not in _AVX2_BLAS_CORES:
         return None
     why = (
@@ -94,7 +94,7 @@ def blas_advice(blas: dict[str, str], simd: list[str]) -> str | None:
     )
     return (
         f"note: numpy's OpenBLAS runs its {blas['architecture']} (AVX2) kernels on this AVX-512 CPU: {why}; "
-        "prefill attention multiplies there (its SkylakeX kernels did those products 1.8x as fast on Zen 5)"
+        "MLA decode attention multiplies there (its SkylakeX kernels multiply 1.8x as fast on Zen 5)"
     )
 
 

@@ -106,9 +106,9 @@ def matmul_f32(a: np.ndarray, b: np.ndarray, b_transposed: bool = False, out: np
 
 
 def over_heads(fn: Callable[[slice], None], n: int, threads: int) -> None:
-    """fn(part) for contiguous parts of range(n) (attention heads), on up to `threads` threads: numpy's
-    BLAS runs on the calling thread only (blas_threads.py), and releases the GIL in its products and ufunc
-    loops, so the prefill attention of different heads runs on different cores. Each head's arithmetic is
+    """fn(part) for contiguous parts of range(n) (attention heads), on up to `threads` threads: gemm_f32
+    and numpy's ufunc loops release the GIL (and numpy's BLAS runs on the calling thread only,
+    blas_threads.py), so the prefill attention of different heads runs on different cores. Each head's arithmetic is
     the same whichever thread takes it, so the result does not depend on the thread count."""
     global _head_pool
     k = max(1, min(threads, n))
