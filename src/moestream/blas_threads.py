@@ -1,9 +1,9 @@
 """numpy's BLAS (OpenBLAS, MKL, BLIS) on the calling thread only.
 
-The engine's C kernels split every weight product among their own threads. numpy's BLAS only serves
-small products in between (MLA decode attention's; prefill attention's before gemm_f32), and its worker threads keep spinning for a while after each call,
-taking the cores from the kernels that follow: beside them a 128-token prefill of the 8-layer
-Qwen3-30B-A3B-width benchmark model ran at 87-93 tok/s, without them at 115-131.
+The engine's C kernels split every weight product among their own threads. numpy's BLAS only serves small
+products in between (MLA decode attention's; prefill attention's before gemm_f32), and its worker threads keep
+spinning for a while after each call, taking the cores from the kernels that follow: beside them a 128-token
+prefill of the 8-layer Qwen3-30B-A3B-width benchmark model ran at 87-93 tok/s, without them at 115-131.
 """
 
 from __future__ import annotations
