@@ -6,6 +6,7 @@ SOURCES = [
     "csrc/module.c",
     "csrc/attention.c",
     "csrc/gemm_f32.c",
+    "csrc/kda.c",
     "csrc/norm.c",
     "csrc/io.c",
     "csrc/matmul.c",
@@ -27,6 +28,7 @@ setup(
             depends=[
                 "csrc/attention.h",
                 "csrc/gemm_f32.h",
+                "csrc/kda.h",
                 "csrc/norm.h",
                 "csrc/io.h",
                 "csrc/quant.h",

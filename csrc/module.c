@@ -6,6 +6,7 @@
 
 #include "attention.h"
 #include "gemm_f32.h"
+#include "kda.h"
 #include "io.h"
 #include "matmul.h"
 #include "norm.h"
@@ -477,6 +478,40 @@ done:
     return ret;
 }
 
+static PyObject *py_kda_recurrence(PyObject *self, PyObject *args) {
+    (void)self;
+    enum { S, Q, K, V, ALPHA, BETA, OUT, NBUF };
+    static const char *names[NBUF] = {"S", "q", "k", "v", "alpha", "beta", "out"};
+    PyObject *obj[NBUF];
+    long long T;
+    int H, D, threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLiii", &obj[S], &obj[Q], &obj[K], &obj[V], &obj[ALPHA], &obj[BETA],
+                          &obj[OUT], &T, &H, &D, &threads))
+        return NULL;
+    Py_buffer b[NBUF];
+    int held = 0;
+    PyObject *ret = NULL;
+    for (; held < NBUF; held++)
+        if (get_f32(obj[held], &b[held], held == S || held == OUT, names[held]) < 0) goto done;
+    const long long thd = T * H * D;
+    int ok = T >= 0 && H >= 0 && D >= 0 && b[S].len == (long long)H * D * D * 4 && b[BETA].len == T * H * 4;
+    for (int i = Q; i <= OUT; i++)
+        if (i != BETA && b[i].len != thd * 4) ok = 0;
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "kda_recurrence: buffers do not match T %lld, H %d, D %d", T, H, D);
+        goto done;
+    }
+    ms_kda_args a = {b[S].buf, b[Q].buf, b[K].buf, b[V].buf, b[ALPHA].buf, b[BETA].buf, b[OUT].buf, T, H, D};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ms_kda_recurrence(&a, threads);
+    Py_END_ALLOW_THREADS
+    ret = none_unless_out_of_memory(rc);
+done:
+    while (held > 0) PyBuffer_Release(&b[--held]);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"pread", py_pread, METH_VARARGS,
      "pread(fd, buffer, offset, n): read n bytes at offset into buffer (GIL released); returns bytes read"},
@@ -491,6 +526,9 @@ static PyMethodDef methods[] = {
     {"gemm_f32", py_gemm_f32, METH_VARARGS,
      "gemm_f32(a, b, out, m, k, n, transpose_b): out[m, n] = a[m, k] @ (b[n, k].T if transpose_b else b[k, n]), "
      "each element one fused multiply-add chain over k in order (the same bits on every instruction set)"},
+    {"kda_recurrence", py_kda_recurrence, METH_VARARGS,
+     "kda_recurrence(S, q, k, v, alpha, beta, out, T, H, D, threads): Kimi Delta Attention's delta rule over T "
+     "tokens, state S [H, D, D] updated in place, out [T, H, D] (csrc/kda.h)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, w, eps, out): out = w * x / sqrt(mean(x^2) + eps) per row of len(w), numpy's float32 bits"},
     {"memread", py_memread, METH_VARARGS, "memread(buffer, threads): read every byte (bandwidth baseline)"},

@@ -31,6 +31,19 @@ def gqa_decode(
     threads: int,
 ) -> None: ...
 def gemm_f32(a: Buffer, b: Buffer, out: Buffer, m: int, k: int, n: int, transpose_b: bool) -> None: ...
+def kda_recurrence(
+    S: Buffer,
+    q: Buffer,
+    k: Buffer,
+    v: Buffer,
+    alpha: Buffer,
+    beta: Buffer,
+    out: Buffer,
+    T: int,
+    H: int,
+    D: int,
+    threads: int,
+) -> None: ...
 def rms_norm(x: Buffer, w: Buffer, eps: float, out: Buffer) -> None: ...
 def memread(buf: Buffer, threads: int) -> float: ...
 def get_isa() -> str: ...

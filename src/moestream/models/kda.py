@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _C
 from .base import Ctx, Linear, linears, rms_norm, sigmoid, silu
 
 
@@ -32,6 +33,20 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return x / np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True) + np.float32(eps))  # np.sum's bits
+
+
+def delta_rule(
+    state: KDAState, q: np.ndarray, k: np.ndarray, v: np.ndarray, alpha: np.ndarray, beta: np.ndarray, threads: int
+) -> np.ndarray:
+    """The recurrence over T tokens, state.S [H, Dk, Dv] updated in place (csrc/kda.h; one C call, threads
+    splitting heads): per token, S *= alpha (per key channel); u = k S, what the state predicts for k;
+    S += k (v - u) beta; out = q S. q, k, v, alpha [T, H, D]; beta [T, H] -> out [T, H, D]."""
+    T, H, D = q.shape
+    state.S = np.require(state.S, np.float32, ("C", "W"))
+    out = np.empty((T, H, D), np.float32)
+    q, k, v, alpha, beta = (np.ascontiguousarray(a, np.float32) for a in (q, k, v, alpha, beta))
+    _C.kda_recurrence(state.S, q, k, v, alpha, beta, out, T, H, D, threads)
+    return out
 
 
 class KDAttention:
@@ -99,13 +114,7 @@ class KDAttention:
         v = qkv[:, 2 * P :].reshape(T, H, D)
         alpha = np.exp(self.decay(x, ctx, fa))  # [T, H, D]
         beta = sigmoid(bx)  # [T, H]
-        S = state.S  # [H, Dk, Dv]
-        o = np.empty((T, H, D), np.float32)
-        for t in range(T):
-            S *= alpha[t][:, :, None]
-            u = np.einsum("hkv,hk->hv", S, k[t])  # what the state predicts for k
-            S += k[t][:, :, None] * ((v[t] - u) * beta[t][:, None])[:, None, :]
-            o[t] = np.einsum("hkv,hk->hv", S, q[t])
+        o = delta_rule(state, q, k, v, alpha, beta, ctx.threads)  # [T, H, D]
         state.length += T
         o = rms_norm(o, self.o_norm, self.eps) * sigmoid(self.gate(x, ctx).reshape(T, H, D))
         return self.o(o.reshape(T, P).astype(np.float32), ctx)
