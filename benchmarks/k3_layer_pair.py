@@ -1,5 +1,5 @@
-"""Decode seconds per token of one full-width Kimi K3 layer pair (one KDA and one MLA layer, each with a
-latent MoE of 64 MXFP4 experts, top-16), at 1 and 2 threads. The checkpoint (~9 GB) is made once with
+"""Decode and prefill milliseconds per token of one full-width Kimi K3 layer pair (one KDA and one MLA
+layer, each with a latent MoE of 64 MXFP4 experts, top-16), at 1 and 2 threads. The checkpoint (~9 GB) is made once with
 
     moestream synth --arch kimi_k3 --full DIR --set num_hidden_layers=2 --set num_experts=64 \\
         --set first_k_dense_replace=0
@@ -39,10 +39,11 @@ def main() -> None:
         list(model.generate(prompt[:2], 2, stop_at_eos=False))  # warm up
         stats = GenerationStats()
         list(model.generate(prompt, args.gen, stop_at_eos=False, stats=stats))
-        s_per_token = stats.decode_seconds / max(stats.generated_tokens - 1, 1)
-        rows.append([threads, s_per_token, stats.prefill_seconds / args.prompt])
+        ms_per_token = 1e3 * stats.decode_seconds / max(stats.generated_tokens - 1, 1)
+        prefill_ms = 1e3 * stats.prefill_seconds / args.prompt
+        rows.append([threads, f"{ms_per_token:.1f}", f"{prefill_ms:.1f}", f"{1e3 / prefill_ms:.1f}"])
         del model
-    print(table(["threads", "decode s/token", "prefill s/token"], rows))
+    print(table(["threads", "decode ms/token", "prefill ms/token", "prefill tok/s"], rows))
 
 
 if __name__ == "__main__":
