@@ -13,18 +13,7 @@ import argparse
 import numpy as np
 
 from common import best_time, commit, machine, table
-from moestream.models.kda import KDAState, delta_rule
-
-
-def numpy_loop(S: np.ndarray, q, k, v, alpha, beta) -> np.ndarray:
-    """The loop models/kda.py ran before the C kernel (float32, S updated in place)."""
-    o = np.empty(q.shape, np.float32)
-    for t in range(q.shape[0]):
-        S *= alpha[t][:, :, None]
-        u = np.einsum("hkv,hk->hv", S, k[t])
-        S += k[t][:, :, None] * ((v[t] - u) * beta[t][:, None])[:, None, :]
-        o[t] = np.einsum("hkv,hk->hv", S, q[t])
-    return o
+from moestream.models.kda import KDAState, delta_rule, delta_rule_reference
 
 
 def measure(T: int, H: int, D: int, rng: np.random.Generator) -> list[object]:
@@ -34,7 +23,7 @@ def measure(T: int, H: int, D: int, rng: np.random.Generator) -> list[object]:
     alpha = np.full((T, H, D), 0.9, np.float32)
     beta = np.full((T, H), 0.5, np.float32)
     S0 = (0.1 * rng.standard_normal((H, D, D))).astype(np.float32)
-    ref = best_time(lambda: numpy_loop(S0.copy(), q, k, v, alpha, beta))
+    ref = best_time(lambda: delta_rule_reference(S0.copy(), q, k, v, alpha, beta))
     row: list[object] = [T, f"{1e3 * ref / T:.3f}"]
     for threads in (1, 2):
         c = best_time(lambda: delta_rule(KDAState(S0[:0], S0.copy()), q, k, v, alpha, beta, threads))  # noqa: B023

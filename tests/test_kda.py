@@ -1,6 +1,7 @@
-"""Kimi Delta Attention's recurrence in C (csrc/kda.c, models/kda.delta_rule) against the numpy loop it
-replaced, computed in float64: the same arithmetic to float32 rounding; the same bytes on every instruction
-set, at every thread count, and whether the tokens come at once (prefill) or one by one (decode)."""
+"""Kimi Delta Attention's recurrence in C (csrc/kda.c, models/kda.delta_rule) against its numpy definition
+(delta_rule_reference, the loop it replaced) computed in float64: the same arithmetic to float32 rounding; the
+same bytes on every instruction set, at every thread count, and whether the tokens come at once (prefill) or one
+by one (decode)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from moestream import _C
-from moestream.models.kda import KDAState, delta_rule
+from moestream.models.kda import KDAState, delta_rule, delta_rule_reference
 
 
 def inputs(T: int, H: int, D: int, seed: int = 0):
@@ -25,17 +26,6 @@ def inputs(T: int, H: int, D: int, seed: int = 0):
     beta = (1 / (1 + np.exp(-rng.standard_normal((T, H))))).astype(np.float32)
     S0 = (0.3 * rng.standard_normal((H, D, D))).astype(np.float32)
     return S0, q, k, v, alpha, beta
-
-
-def numpy_delta_rule(S: np.ndarray, q, k, v, alpha, beta) -> np.ndarray:
-    """The loop models/kda.py ran before the C kernel, here in float64; S is updated in place."""
-    o = np.empty(q.shape, np.float64)
-    for t in range(q.shape[0]):
-        S *= alpha[t][:, :, None]
-        u = np.einsum("hkv,hk->hv", S, k[t])
-        S += k[t][:, :, None] * ((v[t] - u) * beta[t][:, None])[:, None, :]
-        o[t] = np.einsum("hkv,hk->hv", S, q[t])
-    return o
 
 
 def run(S0, q, k, v, alpha, beta, threads: int = 1, isa: str | None = None):
@@ -55,7 +45,7 @@ def run(S0, q, k, v, alpha, beta, threads: int = 1, isa: str | None = None):
 def test_matches_the_numpy_loop(T, H, D):
     S0, q, k, v, alpha, beta = inputs(T, H, D)
     S_ref = S0.astype(np.float64)
-    ref = numpy_delta_rule(S_ref, *(a.astype(np.float64) for a in (q, k, v, alpha, beta)))
+    ref = delta_rule_reference(S_ref, *(a.astype(np.float64) for a in (q, k, v, alpha, beta)))
     out, S = run(S0, q, k, v, alpha, beta)
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
     assert np.abs(S - S_ref).max() <= 1e-5 * np.abs(S_ref).max()

@@ -35,6 +35,20 @@ def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return x / np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True) + np.float32(eps))  # np.sum's bits
 
 
+def delta_rule_reference(
+    S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, alpha: np.ndarray, beta: np.ndarray
+) -> np.ndarray:
+    """The recurrence as numpy steps, token by token, in the arrays' own dtype (S [H, Dk, Dv] updated in
+    place): the definition the C kernel is tested against, and the loop it replaced."""
+    o = np.empty(q.shape, S.dtype)
+    for t in range(q.shape[0]):
+        S *= alpha[t][:, :, None]
+        u = np.einsum("hkv,hk->hv", S, k[t])  # what the state predicts for k
+        S += k[t][:, :, None] * ((v[t] - u) * beta[t][:, None])[:, None, :]
+        o[t] = np.einsum("hkv,hk->hv", S, q[t])
+    return o
+
+
 def delta_rule(
     state: KDAState, q: np.ndarray, k: np.ndarray, v: np.ndarray, alpha: np.ndarray, beta: np.ndarray, threads: int
 ) -> np.ndarray:
