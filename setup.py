@@ -7,6 +7,7 @@ SOURCES = [
     "csrc/attention.c",
     "csrc/gemm_f32.c",
     "csrc/kda.c",
+    "csrc/combine_rows.c",
     "csrc/norm.c",
     "csrc/io.c",
     "csrc/matmul.c",

@@ -28,6 +28,17 @@ typedef struct {
  * is bit for bit what ms_matmul gives for that product alone. 0, or -1 when out of memory. */
 int ms_matmul_many(const ms_product *p, int n, int nthreads);
 void ms_dequant(const ms_matrix *m, float *out, int nthreads);
+/* out [H, cols] = for each h, sum over n < N of coef[h, n] * W[first + h * stride + n, :] (coef [H, N]): a
+ * block of rows weighted and added (x^T W for each h, as MLA's absorbed decode needs), each row dequantized
+ * by its format's kernel, one fused multiply-add chain per element in n order; the same bits on every
+ * instruction set and thread count. 0, or -1 when out of memory. */
+int ms_combine_rows(const ms_matrix *m, int64_t first, int64_t stride, int H, int N, const float *coef, float *out,
+                    int nthreads);
+/* out [H, V]: out[h] = x[h] @ W[first + h * stride : ... + V]^T (x [H, cols]), H products of one token in one
+ * pass of the kernels, each row with the bits of the whole matrix's product. 0; -1 when out of memory; -2
+ * when fp8's 128-row scale blocks do not line up with the blocks of rows. */
+int ms_block_rows_matmul(const ms_matrix *m, int64_t first, int64_t stride, int H, int V, const float *x, float *out,
+                         int nthreads);
 /* Reads n bytes as a memory bandwidth baseline; returns a checksum. */
 double ms_memread(const uint8_t *p, int64_t n, int nthreads);
 #endif

@@ -451,6 +451,65 @@ release_xw:
     return ret;
 }
 
+/* combine_rows (which = 0: coef [H, N] -> out [H, cols]) and block_rows_matmul (which = 1: x [H, cols] ->
+ * out [H, N]), blocks of N rows of W from row first, one every stride rows. */
+static PyObject *block_rows(PyObject *args, int which) {
+    int fmt, H, N, threads;
+    long long rows, cols, first, stride;
+    Py_buffer w, s, in, out;
+    PyObject *scales_obj, *in_obj, *out_obj, *ret = NULL;
+    if (!PyArg_ParseTuple(args, "iy*OLLOOLLiii", &fmt, &w, &scales_obj, &rows, &cols, &in_obj, &out_obj, &first,
+                          &stride, &H, &N, &threads))
+        return NULL;
+    const char *name = which ? "block_rows_matmul" : "combine_rows";
+    int has_scales = scales_obj != Py_None, held = 0; /* held: in, then out */
+    if (has_scales && PyObject_GetBuffer(scales_obj, &s, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&w);
+        return NULL;
+    }
+    ms_matrix m;
+    if (make_matrix(fmt, &w, &s, has_scales, rows, cols, &m) < 0) goto done;
+    if (get_f32(in_obj, &in, 0, which ? "x" : "coef") < 0) goto done;
+    held = 1;
+    if (get_f32(out_obj, &out, 1, "out") < 0) goto done;
+    held = 2;
+    const long long in_len = which ? (long long)H * cols * 4 : (long long)H * N * 4;
+    const long long out_len = which ? (long long)H * N * 4 : (long long)H * cols * 4;
+    if (H < 0 || N < 0 || first < 0 || stride < N || (H > 0 && first + (H - 1) * stride + N > rows) ||
+        in.len != in_len || out.len != out_len) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %d blocks of %d rows from row %lld every %lld in %lld rows, input of %zd bytes, out of %zd "
+                     "do not add up",
+                     name, H, N, first, stride, rows, in.len, out.len);
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = which ? ms_block_rows_matmul(&m, first, stride, H, N, in.buf, out.buf, threads)
+               : ms_combine_rows(&m, first, stride, H, N, in.buf, out.buf, threads);
+    Py_END_ALLOW_THREADS
+    if (rc == -2)
+        PyErr_Format(PyExc_ValueError, "%s: fp8 blocks of rows must start at multiples of 128", name);
+    else
+        ret = none_unless_out_of_memory(rc);
+done:
+    if (held >= 2) PyBuffer_Release(&out);
+    if (held >= 1) PyBuffer_Release(&in);
+    if (has_scales) PyBuffer_Release(&s);
+    PyBuffer_Release(&w);
+    return ret;
+}
+
+static PyObject *py_combine_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    return block_rows(args, 0);
+}
+
+static PyObject *py_block_rows_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    return block_rows(args, 1);
+}
+
 static PyObject *py_gemm_f32(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *obj[3];
@@ -523,6 +582,12 @@ static PyMethodDef methods[] = {
     {"gqa_decode", py_gqa_decode, METH_VARARGS,
      "gqa_decode(q, k, v, kcache, vcache, pos, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, "
      "interleave, scaling, window, out, threads): one token's attention, its key and value written at pos"},
+    {"combine_rows", py_combine_rows, METH_VARARGS,
+     "combine_rows(fmt, w, scales, rows, cols, coef, out, first, stride, H, N, threads): out[h] = sum over n < N of "
+     "coef[h, n] * W[first + h * stride + n] (csrc/matmul.h)"},
+    {"block_rows_matmul", py_block_rows_matmul, METH_VARARGS,
+     "block_rows_matmul(fmt, w, scales, rows, cols, x, out, first, stride, H, V, threads): out[h] = "
+     "x[h] @ W[first + h * stride : first + h * stride + V].T (csrc/matmul.h)"},
     {"gemm_f32", py_gemm_f32, METH_VARARGS,
      "gemm_f32(a, b, out, m, k, n, transpose_b): out[m, n] = a[m, k] @ (b[n, k].T if transpose_b else b[k, n]), "
      "each element one fused multiply-add chain over k in order (the same bits on every instruction set)"},

@@ -8,6 +8,7 @@ instruction set."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -28,6 +29,8 @@ from moestream.models.base import (
     rms_norm,
 )
 from moestream.quant import Weight
+from moestream.quant.formats import quantize_fp8_reference
+from moestream.runtime.streaming import derived_bytes
 
 
 def numpy_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -400,3 +403,28 @@ def test_prefill_same_bits_on_every_isa():
     x = rng.standard_normal((70, 48)).astype(np.float32)
     results = on_every_isa(lambda: attn(x, attn.new_cache(), Ctx(2)).tobytes())
     assert len(set(results.values())) == 1, list(results)
+
+
+@pytest.mark.parametrize("nope,v_dim", [(16, 16), (128, 128)])
+def test_mla_decode_with_fp8_kv_b_proj(nope, v_dim, monkeypatch):
+    """An fp8 kv_b_proj whose head blocks start at multiples of 128 rows is multiplied by its own bytes
+    (direct), any other through f32 copies of its absorbed halves, which the planner counts
+    (derived_bytes); either way one-token decode gives prefill's attention to rounding, and the direct
+    path gives what the copies give, to rounding."""
+    attn, rng = make_mla(H=2, nope=nope, v_dim=v_dim)
+    w = attn.kv_b_proj.weight.dequantize()
+    attn.kv_b_proj = Linear(Weight(*quantize_fp8_reference(w)))
+    assert attn.direct == (nope % 128 == 0)
+    layers = [dataclasses.make_dataclass("Layer", ["attn"])(attn)]
+    want = 0 if attn.direct else 2 * 2 * (nope + v_dim) * attn.rank * 4  # the copies, and one made at a time
+    assert derived_bytes(dataclasses.make_dataclass("Decoder", ["layers"])(layers)) == want
+    check_prefill_after_prefix(attn, rng, 5, 11)
+    if attn.direct:
+        cache = attn.new_cache()
+        attn(rng.standard_normal((6, 48)).astype(np.float32), cache, Ctx())
+        x = rng.standard_normal((1, 48)).astype(np.float32)
+        direct = attn(x, cache, Ctx())
+        cache.length -= 1  # the same position again
+        monkeypatch.setattr(MLAttention, "direct", property(lambda self: False))  # the f32 copies instead
+        copies = attn(x, cache, Ctx())
+        assert np.abs(direct - copies).max() <= 1e-5 * np.abs(copies).max()

@@ -396,3 +396,56 @@ def test_sigmoid_router_row_alone_equals_batch(n_group, topk_group):
             for t in range(6):
                 idx, w = router(x[t : t + 1], Ctx())
                 assert idx.tolist() == bidx[t : t + 1].tolist() and w.tobytes() == bw[t : t + 1].tobytes()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_block_rows_products(fmt):
+    """MLA's absorbed decode multiplies by blocks of kv_b_proj's rows, one block per head: combine_rows
+    (coef[h] @ W[block h]) to a chain's rounding of the float64 product, block_rows_matmul (x[h] @ W[block
+    h]^T) with the bits of the row slices' own products; both the same bytes on every ISA and thread count."""
+    H, N, V = 3, (128 if fmt == "fp8" else 16), (128 if fmt == "fp8" else 8)  # fp8: blocks at multiples of 128
+    stride = N + V
+    w = make_weight(fmt, *shape_for(fmt, (H * stride, 80)))
+    rng = np.random.default_rng(7)
+    coef = rng.standard_normal((H, N)).astype(np.float32)
+    x = rng.standard_normal((H, w.cols)).astype(np.float32)
+
+    def both(threads: int) -> tuple[bytes, bytes]:
+        return w.combine_rows(coef, 0, stride, threads).tobytes(), w.block_rows_matmul(
+            x, N, stride, V, threads
+        ).tobytes()
+
+    results = {}
+    before = _C.get_isa()
+    try:
+        for isa in _C.supported_isas():
+            _C.set_isa(isa)
+            for threads in (1, 2, 3):
+                results[isa, threads] = both(threads)
+    finally:
+        _C.set_isa(before)
+    assert len(set(results.values())) == 1, list(results)
+    combined = np.frombuffer(results["scalar", 1][0], np.float32).reshape(H, w.cols)
+    W = w.dequantize().astype(np.float64)
+    blocks = [W[h * stride : h * stride + N] for h in range(H)]
+    exact = np.stack([coef[h] @ blocks[h] for h in range(H)])
+    bound = (N + 1) * 2.0**-24 * np.stack([np.abs(coef[h]) @ np.abs(blocks[h]) for h in range(H)])
+    assert np.all(np.abs(combined - exact) <= bound)
+    sliced = np.stack([w.row_slice(h * stride + N, (h + 1) * stride).matmul(x[h : h + 1])[0] for h in range(H)])
+    assert results["scalar", 1][1] == sliced.tobytes()
+
+
+def test_block_rows_refuse_what_does_not_add_up():
+    w = make_weight("f32", 24, 16)
+    coef, x = np.ones((3, 4), np.float32), np.ones((3, 16), np.float32)
+    w.combine_rows(coef, 0, 8, 1)
+    w.block_rows_matmul(x, 4, 8, 4, 1)
+    with pytest.raises(ValueError):
+        w.combine_rows(np.ones((4, 4), np.float32), 0, 8, 1)  # a fourth block past the last row
+    with pytest.raises(ValueError):
+        w.combine_rows(coef, 0, 3, 1)  # blocks overlap (stride < N)
+    with pytest.raises(ValueError):
+        w.block_rows_matmul(x, 4, 8, 8, 1)  # the last block runs past the end
+    fp8 = make_weight("fp8", 512, 64)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8.block_rows_matmul(np.ones((2, 64), np.float32), 16, 256, 128, 1)

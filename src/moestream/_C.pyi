@@ -30,6 +30,34 @@ def gqa_decode(
     out: Buffer,
     threads: int,
 ) -> None: ...
+def combine_rows(
+    fmt: int,
+    w: Buffer,
+    scales: Buffer | None,
+    rows: int,
+    cols: int,
+    coef: Buffer,
+    out: Buffer,
+    first: int,
+    stride: int,
+    H: int,
+    N: int,
+    threads: int,
+) -> None: ...
+def block_rows_matmul(
+    fmt: int,
+    w: Buffer,
+    scales: Buffer | None,
+    rows: int,
+    cols: int,
+    x: Buffer,
+    out: Buffer,
+    first: int,
+    stride: int,
+    H: int,
+    V: int,
+    threads: int,
+) -> None: ...
 def gemm_f32(a: Buffer, b: Buffer, out: Buffer, m: int, k: int, n: int, transpose_b: bool) -> None: ...
 def kda_recurrence(
     S: Buffer,

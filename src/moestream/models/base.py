@@ -430,7 +430,9 @@ class LatentCache:
 class MLAttention:
     """Multi-head latent attention (DeepSeek-V3 / Kimi K2). Prefill expands k and v from the latent;
     decode (one token) uses the absorbed form: kv_b_proj folded into the query and into the output,
-    so only the latent is ever cached."""
+    so only the latent is ever cached. The folding multiplies by kv_b_proj's own bytes (its blocks of
+    rows per head: Weight.combine_rows, block_rows_matmul); only an fp8 kv_b_proj whose head blocks do
+    not start at multiples of 128 rows keeps dequantized f32 copies (absorbed)."""
 
     def __init__(
         self,
@@ -476,6 +478,12 @@ class MLAttention:
         assert self.q_a_proj is not None and self.q_b_proj is not None and self.q_a_norm is not None
         return self.q_b_proj(rms_norm(self.q_a_proj(x, ctx), self.q_a_norm, self.norm_eps), ctx)
 
+    @property
+    def direct(self) -> bool:
+        """Decode multiplies by kv_b_proj's bytes (else by the f32 copies of absorbed())."""
+        align = self.kv_b_proj.weight.row_align
+        return self.nope % align == 0 and (self.nope + self.v_dim) % align == 0
+
     def absorbed(self) -> tuple[np.ndarray, np.ndarray]:
         """W_uk^T [H, rank, nope] and W_uv [H, v, rank] from kv_b_proj [H*(nope+v), rank], as f32."""
         if self._absorbed is None:
@@ -502,12 +510,18 @@ class MLAttention:
         c_all, kr_all = cache.append(c, k_rot[:, 0])  # [S, rank], [S, rope]
         S = c_all.shape[0]
         if T == 1:
-            w_uk_t, w_uv = self.absorbed()
-            q_lat = np.einsum("hn,hrn->hr", q_nope[0], w_uk_t)  # [H, rank]
+            W = self.kv_b_proj.weight  # [H*(nope+v), rank]: head h's W_uk [nope, rank], then its W_uv [v, rank]
+            if self.direct:
+                q_lat = W.combine_rows(q_nope[0], 0, N + V, ctx.threads)  # [H, rank]: q_nope[h] W_uk[h]
+            else:
+                q_lat = np.einsum("hn,hrn->hr", q_nope[0], self.absorbed()[0])
             scores = (q_lat @ c_all.T + q_rot[0] @ kr_all.T) * self.scaling  # [H, S]
             p = softmax(scores)
             o_lat = p @ c_all  # [H, rank]
-            o = np.einsum("hvr,hr->hv", w_uv, o_lat).reshape(1, H * V)  # [1, H*v]
+            if self.direct:
+                o = W.block_rows_matmul(o_lat, N, N + V, V, ctx.threads).reshape(1, H * V)  # o_lat[h] W_uv[h]^T
+            else:
+                o = np.einsum("hvr,hr->hv", self.absorbed()[1], o_lat).reshape(1, H * V)  # [1, H*v]
         else:
             kv = self.kv_b_proj(c_all, ctx).reshape(S, H, N + V)  # [S, H, nope+v]
             k_nope, v = kv[..., :N], kv[..., N:]

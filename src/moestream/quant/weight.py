@@ -122,6 +122,31 @@ class Weight:
         _C.matmul(self.fmt.id, self.data, self.scales, self.rows, self.cols, x, out, threads)
         return out
 
+    def combine_rows(self, coef: np.ndarray, first: int, stride: int, threads: int = 1) -> np.ndarray:
+        """coef [H, N] -> [H, cols]: out[h] = sum over n of coef[h, n] * W[first + h * stride + n], each row
+        dequantized by the C kernels and added in n order with fused multiply-adds (x^T W per block of rows,
+        without a dequantized copy of the matrix; MLA's absorbed decode)."""
+        self._ready()
+        coef = np.ascontiguousarray(coef, dtype=np.float32)
+        H, N = coef.shape
+        out = np.empty((H, self.cols), np.float32)
+        _C.combine_rows(
+            self.fmt.id, self.data, self.scales, self.rows, self.cols, coef, out, first, stride, H, N, threads
+        )
+        return out
+
+    def block_rows_matmul(self, x: np.ndarray, first: int, stride: int, count: int, threads: int = 1) -> np.ndarray:
+        """x [H, cols] -> [H, count]: out[h] = x[h] @ W[first + h * stride : ... + count].T, in one pass of
+        the kernels, each row with the bits of the whole matrix's product. fp8 blocks of rows must start at
+        multiples of 128 (row_align)."""
+        self._ready()
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], count), np.float32)
+        _C.block_rows_matmul(
+            self.fmt.id, self.data, self.scales, self.rows, self.cols, x, out, first, stride, x.shape[0], count, threads
+        )
+        return out
+
     def dequantize(self, threads: int = 1) -> np.ndarray:
         self._ready()
         out = np.empty((self.rows, self.cols), np.float32)

@@ -250,13 +250,14 @@ def layout(model: Any, store: PackedStore) -> Layout:
 
 
 def derived_bytes(decoder: Any) -> int:
-    """What MLA layers build at run time for absorbed decode: W_uk^T and W_uv as f32 for each layer, plus
-    the f32 dequantized kv_b_proj alive while one is being made."""
+    """What MLA layers build at run time for absorbed decode: W_uk^T and W_uv as f32 for each layer that
+    cannot multiply by kv_b_proj's bytes directly (MLAttention.direct), plus the f32 dequantized kv_b_proj
+    alive while one is being made."""
     layers = getattr(decoder, "blocks", None) or getattr(decoder, "layers", [])
     sizes = [
         int(a.heads * (a.nope + a.v_dim) * a.rank * 4)
         for a in (getattr(layer, "attn", None) for layer in layers)
-        if a is not None and hasattr(a, "absorbed") and hasattr(a, "kv_b_proj")
+        if a is not None and hasattr(a, "absorbed") and hasattr(a, "kv_b_proj") and not a.direct
     ]
     return sum(sizes) + max(sizes, default=0)
 
