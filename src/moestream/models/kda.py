@@ -83,26 +83,29 @@ class KDAttention:
         eps: float,
         gate_lower_bound: float | None = None,
     ):
-        self.q, self.k, self.v, self.conv = q, k, v, np.ascontiguousarray(conv, np.float32)
+        self.q, self.k, self.v = q, k, v
+        self.conv_taps = np.ascontiguousarray(np.asarray(conv, np.float32).T)  # [K, 3P]: tap j of every channel
         self.f_a, self.f_b, self.dt_bias, self.a_log = f_a, f_b, dt_bias, np.asarray(a_log, np.float32)
         self.b, self.gate, self.o_norm, self.o = b, gate, o_norm, o
         self.heads, self.head_dim, self.eps = heads, head_dim, eps
         self.lb = gate_lower_bound
 
     def new_cache(self) -> KDAState:
-        P, K = self.heads * self.head_dim, self.conv.shape[1]
+        P, K = self.heads * self.head_dim, self.conv_taps.shape[0]
         return KDAState(
             np.zeros((K - 1, 3 * P), np.float32), np.zeros((self.heads, self.head_dim, self.head_dim), np.float32)
         )
 
     def _conv(self, qkv: np.ndarray, state: KDAState) -> np.ndarray:
         """Causal depthwise convolution of width K over time, then SiLU; state.conv carries history."""
-        K = self.conv.shape[1]
+        K = self.conv_taps.shape[0]
         full = np.concatenate([state.conv, qkv], axis=0)  # [K-1+T, 3P]
         T = qkv.shape[0]
         out = np.zeros_like(qkv)
-        for j in range(K):  # out[t] = sum_j w[:, j] * full[t + j]
-            out += self.conv[:, j] * full[j : j + T]
+        term = np.empty_like(qkv)
+        for j in range(K):  # out[t] = sum_j w[:, j] * full[t + j], without a temporary per tap
+            np.multiply(self.conv_taps[j], full[j : j + T], out=term)
+            out += term
         state.conv = full[T:].copy() if K > 1 else state.conv
         return silu(out)
 
