@@ -252,11 +252,7 @@ int ms_gqa_decode(const ms_gqa_decode_args *a, int nthreads) {
     head_job j = {.a = a, .lo = 0};
     if (a->window > 0 && a->pos - a->window + 1 > 0) j.lo = a->pos - a->window + 1;
     const int64_t S = a->pos + 1 - j.lo;
-    /* threads only where the work outweighs waking them: about 64k multiply-adds a thread */
-    int nth = nthreads < 1 ? 1 : nthreads;
-    const int64_t macs = 2 * (int64_t)a->H * S * a->D;
-    while (nth > 1 && macs / nth < (1 << 16)) nth--;
-    if (nth > a->H) nth = a->H;
+    const int nth = ms_threads_for(nthreads, a->H, 2 * (int64_t)a->H * S * a->D);
     const int64_t rep = a->H / a->KV;
     j.work_stride = ((rep + 1) * a->D + rep * S + 15) / 16 * 16;
     j.work = malloc((size_t)(j.work_stride * nth) * sizeof(float));

@@ -51,9 +51,7 @@ static void combine_task(void *ctx, int ith, int nth) {
 
 int ms_combine_rows(const ms_matrix *m, int64_t first, int64_t stride, int H, int N, const float *coef, float *out,
                     int nthreads) {
-    int nth = nthreads < 1 ? 1 : nthreads;
-    if (nth > H) nth = H > 0 ? H : 1;
-    if (nth > MS_MAX_THREADS) nth = MS_MAX_THREADS;
+    const int nth = ms_threads_for(nthreads, H, (int64_t)H * N * m->cols);
     float *scratch = malloc((size_t)nth * (size_t)(m->cols > 0 ? m->cols : 1) * sizeof(float));
     combine_job j = {m, first, stride, H, N, coef, out, scratch, ms_get_isa()};
     if (!j.scratch) return -1;

@@ -12,7 +12,7 @@
 #include "threadpool.h"
 
 /* Columns [c0, c1) of one head's state s [D, D] for one token: decay and predict (u), then update and
- * read out. u and d are [D] scratch. */
+ * read out. u is [D] scratch, which then holds d. */
 static void token_scalar(float *s, const float *q, const float *k, const float *v, const float *alpha, float beta,
                          float *out, int D, int c0, int c1, float *u) {
     for (int j = c0; j < c1; j++) u[j] = 0.0f;
@@ -130,12 +130,7 @@ static void heads_task(void *ctx, int ith, int nth) {
 }
 
 int ms_kda_recurrence(const ms_kda_args *a, int nthreads) {
-    int nth = nthreads < 1 ? 1 : nthreads;
-    if (nth > a->H) nth = a->H;
-    if (nth > MS_MAX_THREADS) nth = MS_MAX_THREADS;
-    /* threads only where the work outweighs waking them: about 64k multiply-adds a thread */
-    const int64_t macs = 4 * a->T * (int64_t)a->H * a->D * a->D;
-    while (nth > 1 && macs / nth < (1 << 16)) nth--;
+    const int nth = ms_threads_for(nthreads, a->H, 4 * a->T * (int64_t)a->H * a->D * a->D);
     kda_job j = {.a = a, .scratch = malloc((size_t)nth * (size_t)(a->D > 0 ? a->D : 1) * sizeof(float))};
     if (!j.scratch) return -1;
     if (a->H > 0 && a->D > 0) ms_parallel(nth, heads_task, &j);

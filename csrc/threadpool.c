@@ -48,6 +48,13 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+int ms_threads_for(int nthreads, int64_t parts, int64_t macs) {
+    int64_t nth = nthreads < MS_MAX_THREADS ? nthreads : MS_MAX_THREADS;
+    if (nth > parts) nth = parts;
+    while (nth > 1 && macs / nth < (1 << 16)) nth--;
+    return nth < 1 ? 1 : (int)nth;
+}
+
 void ms_parallel(int nth, ms_task_fn fn, void *ctx) {
     if (nth > MS_MAX_THREADS) nth = MS_MAX_THREADS;
     if (nth <= 1) {

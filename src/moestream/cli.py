@@ -630,8 +630,15 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from .formats.packed import Report, pack
 
     report = Report({}, {}, {}) if args.report else None
-    formats = {"experts": args.experts, "trunk": args.trunk}
-    out = pack(args.src, args.dst, **formats, force=args.force, report=report, threads=args.threads)
+    out = pack(
+        args.src,
+        args.dst,
+        experts=args.experts,
+        trunk=args.trunk,
+        force=args.force,
+        report=report,
+        threads=args.threads,
+    )
     print(out)
     if report is not None:
         from .generate import load
