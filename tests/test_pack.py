@@ -283,6 +283,33 @@ def test_ordered_map_keeps_order_and_budget_and_raises_in_turn():
     assert list(ordered_map(boom, range(5), 1, lambda i: 1, 1)) == [(i, i) for i in range(5)]
 
 
+def test_ordered_map_runs_ahead_within_its_window():
+    started: list[int] = []
+    live: set[int] = set()  # started, not yet handed back
+    peak = 0
+    lock = threading.Lock()
+    six_started = threading.Event()
+
+    def fn(i: int) -> int:
+        nonlocal peak
+        with lock:
+            started.append(i)
+            live.add(i)
+            peak = max(peak, len(live))
+            if len(started) == 6:
+                six_started.set()
+        return -i
+
+    out = []
+    for i, r in ordered_map(fn, range(20), 2, lambda i: 1, 100, window=6):
+        if i == 0:  # the consumer holds back on its first item: the map goes on up to the window
+            assert six_started.wait(10)
+        with lock:
+            live.discard(i)
+        out.append(r)
+    assert out == [-i for i in range(20)] and peak <= 6
+
+
 def test_pack_cli_threads(k3, tmp_path):
     from test_cli import assert_user_error, cli
 

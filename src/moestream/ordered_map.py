@@ -13,25 +13,32 @@ R = TypeVar("R")
 
 
 def ordered_map(
-    fn: Callable[[T], R], items: Iterable[T], threads: int, cost: Callable[[T], int], budget: int
+    fn: Callable[[T], R],
+    items: Iterable[T],
+    threads: int,
+    cost: Callable[[T], int],
+    budget: int,
+    window: int | None = None,
 ) -> Iterator[tuple[T, R]]:
     """(item, fn(item)) for each item in order. Up to `threads` calls run at once, ahead of the consumer,
-    while the cost of the items held (submitted and not yet handed back) stays within budget; an item
-    costing more than budget on its own runs when nothing else is held. threads <= 1: in the caller, one
-    item at a time. If fn raises, the exception comes out at that item's turn and the items not yet
-    started are dropped (those running finish first)."""
+    while at most `window` items are held (submitted and not yet handed back; default threads + 1: every
+    thread busy and one result ready) and their cost stays within budget; an item costing more than
+    budget on its own runs when nothing else is held. A wider window lets the threads go on while the
+    consumer is slow (a write waiting on the disk). threads <= 1: in the caller, one item at a time. If
+    fn raises, the exception comes out at that item's turn and the items not yet started are dropped
+    (those running finish first)."""
     if threads <= 1:
         for item in items:
             yield item, fn(item)
         return
+    window = threads + 1 if window is None else max(window, 1)
     ex = ThreadPoolExecutor(threads, thread_name_prefix="moestream-map")
     held: deque[tuple[T, Future[R], int]] = deque()
     total = 0
     try:
         for item in items:
             c = cost(item)
-            # keep every thread busy and one result ready, within the budget
-            while held and (len(held) > threads or total + c > budget):
+            while held and (len(held) >= window or total + c > budget):
                 first, fut, fc = held.popleft()
                 total -= fc
                 yield first, fut.result()

@@ -181,6 +181,8 @@ def quantize(fmt: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
 
 # bytes of f32 source rows that conversions may hold at once
 CONVERT_BUDGET = 1 << 30
+# row chunks a conversion thread may run ahead of the writes (those converted wait as their packed bytes)
+CONVERT_AHEAD = 8
 # a requantized matrix converts in chunks of about this many elements (64 MB as f32), whole multiples of
 # 128 rows (fp8's scale blocks): every format quantizes rows (fp8: 128-row blocks) on their own, so the
 # chunks give the bytes of the whole
@@ -465,8 +467,9 @@ def _write(
         _, m, rows = item
         return 0 if m is None or rows is None else (rows[1] - rows[0]) * m.cols * 4
 
-    # row chunks convert `threads` at a time, ahead of the writes, which stay in order
-    converted = ordered_map(convert, items, threads, cost, CONVERT_BUDGET)
+    # row chunks convert `threads` at a time, ahead of the writes, which stay in order; while a write waits
+    # on the disk the threads go on, up to CONVERT_AHEAD chunks a thread or the budget
+    converted = ordered_map(convert, items, threads, cost, CONVERT_BUDGET, CONVERT_AHEAD * threads)
 
     def put(w: _Writer, piece: _Piece, conv: _Converted | None) -> None:
         name, m, rows = piece
