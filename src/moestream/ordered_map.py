@@ -24,13 +24,14 @@ def ordered_map(
     while at most `window` items are held (submitted and not yet handed back; default threads + 1: every
     thread busy and one result ready) and their cost stays within budget; an item costing more than
     budget on its own runs when nothing else is held. A wider window lets the threads go on while the
-    consumer is slow (a write waiting on the disk). threads <= 1: in the caller, one item at a time. If
-    fn raises, the exception comes out at that item's turn and the items not yet started are dropped
-    (those running finish first)."""
-    if threads <= 1:
+    consumer is slow (a write waiting on the disk), even with one thread. threads <= 1 without a window:
+    in the caller, one item at a time. If fn raises, the exception comes out at that item's turn and the
+    items not yet started are dropped (those running finish first)."""
+    if threads <= 1 and window is None:
         for item in items:
             yield item, fn(item)
         return
+    threads = max(threads, 1)
     window = threads + 1 if window is None else max(window, 1)
     ex = ThreadPoolExecutor(threads, thread_name_prefix="moestream-map")
     held: deque[tuple[T, Future[R], int]] = deque()
