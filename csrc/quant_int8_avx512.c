@@ -223,14 +223,36 @@ void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const cha
  * activations in nibble order, 8 * sum(x) per lane taken off; a pair of blocks' activations and lane
  * offsets are one 512-bit load each (quant_int8.h), the scales d 16 at a time, and the 16 products s * d of
  * a group of blocks are made per row. */
-/* Blocks b, b + 1 of the row at w (k = b - b0 in the group of 16 whose scale products are dd) into acc. */
-static inline __attribute__((always_inline)) VNNI __m512 int4_pair(const uint8_t *w, const ms_int4x *x, int64_t b,
-                                                              int k, __m512 dd, __m512 acc) {
+/* Blocks b, b + 1 of a row, their nibbles nib (pair_nibbles), k = b - b0 in the group of 16 whose scale
+ * products are dd, into acc. */
+static inline __attribute__((always_inline)) VNNI __m512 int4_pair_of(__m512i nib, const ms_int4x *x, int64_t b,
+                                                                 int k, __m512 dd, __m512 acc) {
     const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512i q = _mm512_loadu_si512(x->q + 32 * b), off = _mm512_loadu_si512(x->s8 + 8 * b);
-    const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_nibbles(w + 16 * b), q);
+    const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nib, q);
     const __m512 d = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(k), lanes), dd); /* b's, b + 1's */
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t, off)), d, acc);
+}
+
+/* Blocks b, b + 1 of the row at w into acc (int4_pair_of). */
+static inline __attribute__((always_inline)) VNNI __m512 int4_pair(const uint8_t *w, const ms_int4x *x, int64_t b,
+                                                              int k, __m512 dd, __m512 acc) {
+    return int4_pair_of(pair_nibbles(w + 16 * b), x, b, k, dd, acc);
+}
+
+/* The last block of an odd count (b % 4 = 0 or 2, the low half of acc[b % 4 / 2]), its nibbles nib
+ * (one_nibbles), k = b - b0, into acc. */
+static inline __attribute__((always_inline)) VNNI void int4_last(__m256i nib, const ms_int4x *x, int64_t b, int k,
+                                                            __m512 dd, __m512 acc[2]) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
+    const __m256i off = _mm256_loadu_si256((const __m256i *)(x->s8 + 8 * b));
+    const __m256i t = _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), nib, q), off);
+    const __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(k), dd);
+    const __m512 tf = _mm512_castps256_ps512(_mm256_cvtepi32_ps(t));
+    if (k % 4 == 0) /* a constant index, so that the accumulators stay in registers */
+        acc[0] = _mm512_mask3_fmadd_ps(tf, d, acc[0], (__mmask16)0x00FF);
+    else
+        acc[1] = _mm512_mask3_fmadd_ps(tf, d, acc[1], (__mmask16)0x00FF);
 }
 
 /* R rows (a constant) against one token, each row's arithmetic the same whatever R: the row's two chains of
@@ -270,21 +292,8 @@ static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix
             }
             k += 2;
         }
-        if (k < n) { /* the last block of an odd count: b % 4 = 0 or 2, the low half */
-            const int64_t b = b0 + k;
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-            const __m256i off = _mm256_loadu_si256((const __m256i *)(x->s8 + 8 * b));
-            for (int r = 0; r < R; r++) {
-                __m256i t = _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), one_nibbles(w[r] + 16 * b), q),
-                                             off);
-                const __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(k), dd[r]);
-                const __m512 tf = _mm512_castps256_ps512(_mm256_cvtepi32_ps(t));
-                if (k % 4 == 0) /* a constant index, so that the accumulators stay in registers */
-                    acc[r][0] = _mm512_mask3_fmadd_ps(tf, d, acc[r][0], (__mmask16)0x00FF);
-                else
-                    acc[r][1] = _mm512_mask3_fmadd_ps(tf, d, acc[r][1], (__mmask16)0x00FF);
-            }
-        }
+        if (k < n) /* the last block of an odd count */
+            for (int r = 0; r < R; r++) int4_last(one_nibbles(w[r] + 16 * (b0 + k)), x, b0 + k, k, dd[r], acc[r]);
     }
     for (int r = 0; r < R; r++) out[r] = finish2(acc[r][0], acc[r][1]);
 }
@@ -300,18 +309,6 @@ static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
     for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, &x, nb, ahead_rows, out + r);
 }
 
-/* For prefill: a tile's four rows at once (in cache after the first token, where sharing the activation
- * loads pays). */
-static VNNI void int4_vnni_four(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const int64_t nb = m->cols / 32;
-    const ms_int4x x = ms_int4x_at(xp, nb);
-    /* the next tile's rows (no division per token: prefetch_rows's cost showed, ~7% at 2048 columns) */
-    if (nrows == 4)
-        int4_rows(m, row0, 4, &x, nb, 4, out);
-    else
-        for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, &x, nb, 4, out + r);
-}
-
 void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     if (__builtin_cpu_supports("avx512vnni"))
         int4_vnni(m, row0, nrows, xp, out);
@@ -319,12 +316,70 @@ void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         ms_dot4_int4_avx2(m, row0, nrows, xp, out);
 }
 
-/* int4 against several tokens (prefill): token by token, each tile's rows four at once (int4_vnni_four),
- * each row with the one-token kernel's bits; without VNNI the AVX2 kernel. */
+/* nt tokens (a constant, 1..4) against the tile's rows, row by row: each pair of blocks' nibbles made once
+ * and multiplied against every token, each token's accumulators, scale products and tails those of
+ * int4_rows (so each token's result has the one-token kernel's bits). */
+static inline __attribute__((always_inline)) VNNI void int4_tokens(const ms_matrix *m, int64_t row0, int nrows,
+                                                              const char *xp, int64_t stride, const int nt,
+                                                              float *out, int64_t out_stride) {
+    const int64_t nb = m->cols / 32;
+    ms_int4x x[4];
+    for (int i = 0; i < nt; i++) x[i] = ms_int4x_at((const float *)(xp + i * stride), nb);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        const float *s = ms_int4_scale_row(m, row0 + r);
+        __m512 acc[4][2], dd[4];
+        for (int i = 0; i < nt; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+            const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+            const __mmask16 km = (__mmask16)((1u << n) - 1);
+            const __m512 sv = n == 16 ? _mm512_loadu_ps(s + b0) : _mm512_maskz_loadu_ps(km, s + b0);
+            for (int i = 0; i < nt; i++)
+                dd[i] = _mm512_mul_ps(sv, n == 16 ? _mm512_loadu_ps(x[i].d + b0) : _mm512_maskz_loadu_ps(km, x[i].d + b0));
+            int k = 0;
+            for (; k + 4 <= n; k += 4) {
+                const __m512i nib0 = pair_nibbles(w + 16 * (b0 + k)), nib1 = pair_nibbles(w + 16 * (b0 + k + 2));
+                for (int i = 0; i < nt; i++) {
+                    acc[i][0] = int4_pair_of(nib0, &x[i], b0 + k, k, dd[i], acc[i][0]);
+                    acc[i][1] = int4_pair_of(nib1, &x[i], b0 + k + 2, k + 2, dd[i], acc[i][1]);
+                }
+            }
+            if (k + 2 <= n) {
+                const __m512i nib0 = pair_nibbles(w + 16 * (b0 + k));
+                for (int i = 0; i < nt; i++) acc[i][0] = int4_pair_of(nib0, &x[i], b0 + k, k, dd[i], acc[i][0]);
+                k += 2;
+            }
+            if (k < n) {
+                const __m256i nib = one_nibbles(w + 16 * (b0 + k));
+                for (int i = 0; i < nt; i++) int4_last(nib, &x[i], b0 + k, k, dd[i], acc[i]);
+            }
+        }
+        for (int i = 0; i < nt; i++) out[i * out_stride + r] = finish2(acc[i][0], acc[i][1]);
+    }
+}
+
+static VNNI void gemm_int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride,
+                                int64_t T, float *out, int64_t out_stride) {
+    if (T >= 6) prefetch_next_tile(m, row0, nrows);
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) int4_tokens(m, row0, nrows, xp + t * stride, stride, 4, out + t * out_stride, out_stride);
+    switch (T - t) {
+        case 3: int4_tokens(m, row0, nrows, xp + t * stride, stride, 3, out + t * out_stride, out_stride); break;
+        case 2: int4_tokens(m, row0, nrows, xp + t * stride, stride, 2, out + t * out_stride, out_stride); break;
+        case 1: int4_tokens(m, row0, nrows, xp + t * stride, stride, 1, out + t * out_stride, out_stride); break;
+        default: break;
+    }
+}
+
+/* int4 against several tokens (prefill): up to four tokens at a time against each row, the nibbles of a
+ * pair of blocks made once for them (int4_tokens), each token with the one-token kernel's bits; without
+ * VNNI the AVX2 kernel token by token. */
 void ms_gemm_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride) {
-    dot4_per_token(__builtin_cpu_supports("avx512vnni") ? int4_vnni_four : ms_dot4_int4_avx2, m, row0, nrows, xp,
-                   stride, T, out, out_stride);
+    if (__builtin_cpu_supports("avx512vnni"))
+        gemm_int4_vnni(m, row0, nrows, xp, stride, T, out, out_stride);
+    else
+        dot4_per_token(ms_dot4_int4_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
 }
 
 /* 32 bytes at lo in the low half, 32 at hi in the high half (q8_0's 34-byte weight blocks and 36-byte
