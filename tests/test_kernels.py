@@ -92,12 +92,14 @@ def test_matmul_within_bound(isa, fmt, shape):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_matmul_independent_of_threads_and_batch(isa, fmt):
     w = make_weight(fmt, *shape_for(fmt, (203, 517)))
-    x = np.random.default_rng(2).standard_normal((7, w.cols)).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((9, w.cols)).astype(np.float32)
     base = w.matmul(x, threads=1)
     for threads in (2, 3, 8):
         assert w.matmul(x, threads=threads).tobytes() == base.tobytes()
-    for t in range(7):  # one token at a time (decode) == the same row of the batch (prefill)
+    for t in range(9):  # one token at a time (decode) == the same row of the batch (prefill)
         assert w.matmul(x[t : t + 1], threads=2).tobytes() == base[t : t + 1].tobytes()
+    for n in (2, 3, 6, 7):  # batches that end in a group of 2, 3, 2 and 3 tokens (9: 4 + 4 + 1)
+        assert w.matmul(x[:n], threads=2).tobytes() == base[:n].tobytes()
 
 
 def test_matmul_many_equals_each_product_alone(isa):
