@@ -361,14 +361,7 @@ static inline __attribute__((always_inline)) VNNI void int4_tokens(const ms_matr
 static VNNI void gemm_int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride,
                                 int64_t T, float *out, int64_t out_stride) {
     if (T >= 6) prefetch_next_tile(m, row0, nrows);
-    int64_t t = 0;
-    for (; t + 4 <= T; t += 4) int4_tokens(m, row0, nrows, xp + t * stride, stride, 4, out + t * out_stride, out_stride);
-    switch (T - t) {
-        case 3: int4_tokens(m, row0, nrows, xp + t * stride, stride, 3, out + t * out_stride, out_stride); break;
-        case 2: int4_tokens(m, row0, nrows, xp + t * stride, stride, 2, out + t * out_stride, out_stride); break;
-        case 1: int4_tokens(m, row0, nrows, xp + t * stride, stride, 1, out + t * out_stride, out_stride); break;
-        default: break;
-    }
+    TOKEN_GROUPS(int4_tokens, m, row0);
 }
 
 /* int4 against several tokens (prefill): up to four tokens at a time against each row, the nibbles of a

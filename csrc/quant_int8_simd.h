@@ -92,16 +92,16 @@ static inline void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t r
     }
 }
 
-/* Calls FN(buf, nb, nrows, xp, stride, nt, out, out_stride) for the tokens of a gemm 4 at a time, then the
+/* Calls FN(A, B, nrows, xp, stride, nt, out, out_stride) for the tokens of a gemm 4 at a time, then the
  * last 1..3 together (nt a constant in each call, so the inlined loops unroll). */
-#define TOKEN_GROUPS(FN, BUF)                                                                           \
+#define TOKEN_GROUPS(FN, A, B)                                                                          \
     do {                                                                                                \
         int64_t t_ = 0;                                                                                 \
-        for (; t_ + 4 <= T; t_ += 4) FN(BUF, nb, nrows, xp + t_ * stride, stride, 4, out + t_ * out_stride, out_stride); \
+        for (; t_ + 4 <= T; t_ += 4) FN(A, B, nrows, xp + t_ * stride, stride, 4, out + t_ * out_stride, out_stride); \
         switch (T - t_) {                                                                               \
-            case 3: FN(BUF, nb, nrows, xp + t_ * stride, stride, 3, out + t_ * out_stride, out_stride); break; \
-            case 2: FN(BUF, nb, nrows, xp + t_ * stride, stride, 2, out + t_ * out_stride, out_stride); break; \
-            case 1: FN(BUF, nb, nrows, xp + t_ * stride, stride, 1, out + t_ * out_stride, out_stride); break; \
+            case 3: FN(A, B, nrows, xp + t_ * stride, stride, 3, out + t_ * out_stride, out_stride); break; \
+            case 2: FN(A, B, nrows, xp + t_ * stride, stride, 2, out + t_ * out_stride, out_stride); break; \
+            case 1: FN(A, B, nrows, xp + t_ * stride, stride, 1, out + t_ * out_stride, out_stride); break; \
             default: break;                                                                             \
         }                                                                                               \
     } while (0)
@@ -135,7 +135,7 @@ static inline void prefetch_next_tile(const ms_matrix *m, int64_t row0, int nrow
         }                                                                                          \
         UNPACK(m, row0, nrows, nb, BUF);                                                           \
         if (T >= 6) prefetch_next_tile(m, row0, nrows);                                            \
-        TOKEN_GROUPS(TOKENS, BUF);                                                                 \
+        TOKEN_GROUPS(TOKENS, BUF, nb);                                                             \
     } while (0)
 
 /* The rows [row0, row0 + nrows) of a q4_k matrix unpacked block by block into buf[r * nb + b]. */
