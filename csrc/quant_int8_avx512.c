@@ -16,13 +16,13 @@
  * instructions into the kernels an AVX-512 CPU without it runs. */
 #define VNNI __attribute__((target("avx512vnni")))
 
-/* 2^(s-128) for 16 E8M0 bytes, the values of ms_e8m0_half_lut: the exponent field is s - 1, s = 0 is the
- * subnormal 2^-128, s = 255 the table's NaN. */
+/* 2^(s-128) for 16 E8M0 bytes, the values of ms_e8m0_half_lut: the exponent field is s - 1 for s >= 2,
+ * s = 1 and s = 0 are the subnormals 2^-127 and 2^-128, s = 255 the table's NaN. */
 static inline __m512 e8m0_half16(__m128i s8, int32_t nan_bits) {
     __m512i s = _mm512_cvtepu8_epi32(s8);
     __m512i bits = _mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(1)), 23);
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()),
-                                 _mm512_set1_epi32(0x00200000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmplt_epu32_mask(s, _mm512_set1_epi32(2)),
+                                 _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), s));
     bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)), _mm512_set1_epi32(nan_bits));
     return _mm512_castsi512_ps(bits);
 }

@@ -243,6 +243,27 @@ def test_mxfp4_every_scale_and_nibble_same_on_every_isa():
     assert np.isnan(nan_row[:, 3]).all() and np.isfinite(np.delete(nan_row, 3, axis=1)).all()
 
 
+def test_mxfp4_each_scale_alone_on_every_isa():
+    """Row s has the scale byte s in every block, so that its result is that scale's alone (above, the
+    subnormal scales vanish beside their rows' larger ones): every path gives every row the same bits,
+    and the rows of the subnormal scales 2^-128 (byte 0) and 2^-127 (byte 1) match the reference."""
+    rng = np.random.default_rng(12)
+    rows, cols = 255, 32 * 37
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    s8 = np.arange(rows, dtype=np.uint8)[:, None].repeat(cols // 32, axis=1)  # [rows, blocks]: row s, scale s
+    w = Weight(packed, s8, fmt="mxfp4")
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    x[0] *= np.float32(2.0**100)  # the small scales' rows finite and far from zero
+    x[1] *= np.float32(2.0**-100)  # the large ones' rows finite
+    assert_same_on_every_isa(w, x)  # prefill
+    assert_same_on_every_isa(w, x[:1])  # decode
+    y = w.matmul(x)  # [2, rows]
+    ref = w.dequantize().astype(np.float64) @ x[0].astype(np.float64)  # [rows]
+    bound = np.abs(w.dequantize()).astype(np.float64) @ np.abs(x[0]).astype(np.float64)
+    for s in (0, 1, 2):
+        assert ref[s] != 0 and abs(y[0, s] - ref[s]) <= 1e-5 * bound[s], s
+
+
 def test_mxfp4_quantization_error_is_small():
     w = np.random.default_rng(5).standard_normal((64, 256)).astype(np.float32)
     packed, s8 = quantize_mxfp4_reference(w)
