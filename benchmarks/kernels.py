@@ -5,7 +5,10 @@ kernel run is taken against the mean of the reads on either side of it, and the 
 over its rounds. Each run cycles through enough copies of the matrix (>= 1 GB) that the weights come
 from memory, as in decode.
 
-    python3 benchmarks/kernels.py [--formats bf16,q4_k,...] [--seconds 0.2] [--rounds 5]
+    python3 benchmarks/kernels.py [--formats bf16,q4_k,...] [--seconds 0.2] [--rounds 5] [--isa avx2]
+
+--isa runs the kernels of a lesser instruction set than the CPU's best (scalar, avx2), e.g. to see on an
+AVX-512 machine how the AVX2 kernels that AVX2-only CPUs run compare with the read.
 """
 
 from __future__ import annotations
@@ -60,8 +63,10 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--seconds", type=float, default=0.2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--isa", choices=_C.supported_isas(), default=_C.get_isa())
     args = ap.parse_args()
-    print(f"machine: {machine()}\ncommit: {commit()}\n")
+    _C.set_isa(args.isa)
+    print(f"machine: {machine()}\ncommit: {commit()}\nkernels: {args.isa}\n")
     buf = np.ones(1 << 30, np.uint8)
 
     def read_gbs(t: int) -> float:
