@@ -8,6 +8,7 @@
 #include "threadpool.h"
 
 static ms_isa active_isa = MS_ISA_SCALAR;
+static int use_vnni = 0;
 
 int ms_isa_supported(ms_isa isa) {
     __builtin_cpu_init();
@@ -23,20 +24,30 @@ int ms_isa_supported(ms_isa isa) {
     }
 }
 
+int ms_level_supported(ms_level level) {
+    if (level == MS_LEVEL_AVX512_VNNI)
+        return ms_isa_supported(MS_ISA_AVX512) && __builtin_cpu_supports("avx512vnni");
+    return level >= 0 && level < MS_LEVEL_AVX512_VNNI && ms_isa_supported((ms_isa)level);
+}
+
 void ms_init(void) {
     ms_quant_init();
-    active_isa = MS_ISA_SCALAR;
-    if (ms_isa_supported(MS_ISA_AVX2)) active_isa = MS_ISA_AVX2;
-    if (ms_isa_supported(MS_ISA_AVX512)) active_isa = MS_ISA_AVX512;
+    for (int l = MS_NUM_LEVELS - 1; l >= 0; l--)
+        if (ms_set_level((ms_level)l) == 0) break;
 }
 
 ms_isa ms_get_isa(void) { return active_isa; }
 
-int ms_set_isa(ms_isa isa) {
-    if (isa < 0 || isa >= MS_NUM_ISAS || !ms_isa_supported(isa)) return -1;
-    active_isa = isa;
+ms_level ms_get_level(void) { return use_vnni ? MS_LEVEL_AVX512_VNNI : (ms_level)active_isa; }
+
+int ms_set_level(ms_level level) {
+    if (!ms_level_supported(level)) return -1;
+    active_isa = level == MS_LEVEL_AVX512_VNNI ? MS_ISA_AVX512 : (ms_isa)level;
+    use_vnni = level == MS_LEVEL_AVX512_VNNI;
     return 0;
 }
+
+int ms_use_vnni(void) { return use_vnni; }
 
 /* Rows [r0, r1) of thread ith: contiguous, multiples of 4 so that dot4 tiles never straddle. */
 static void row_range(int64_t rows, int ith, int nth, int64_t *r0, int64_t *r1) {

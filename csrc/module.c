@@ -11,7 +11,7 @@
 #include "matmul.h"
 #include "norm.h"
 
-static const char *isa_names[MS_NUM_ISAS] = {"scalar", "avx2", "avx512"};
+static const char *level_names[MS_NUM_LEVELS] = {"scalar", "avx2", "avx512", "avx512vnni"};
 
 /* Fills an ms_matrix from Python arguments and checks every size against the buffers. Returns 0, or
  * -1 with a Python exception set. The caller releases the buffers. */
@@ -265,16 +265,16 @@ static PyObject *py_memread(PyObject *self, PyObject *args) {
 static PyObject *py_get_isa(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
-    return PyUnicode_FromString(isa_names[ms_get_isa()]);
+    return PyUnicode_FromString(level_names[ms_get_level()]);
 }
 
 static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     (void)self;
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    for (int i = 0; i < MS_NUM_ISAS; i++) {
-        if (strcmp(name, isa_names[i]) == 0) {
-            if (ms_set_isa((ms_isa)i) < 0) {
+    for (int i = 0; i < MS_NUM_LEVELS; i++) {
+        if (strcmp(name, level_names[i]) == 0) {
+            if (ms_set_level((ms_level)i) < 0) {
                 PyErr_Format(PyExc_ValueError, "this CPU does not support the %s kernels", name);
                 return NULL;
             }
@@ -290,9 +290,9 @@ static PyObject *py_supported_isas(PyObject *self, PyObject *args) {
     (void)args;
     PyObject *l = PyList_New(0);
     if (!l) return NULL;
-    for (int i = 0; i < MS_NUM_ISAS; i++) {
-        if (ms_isa_supported((ms_isa)i)) {
-            PyObject *s = PyUnicode_FromString(isa_names[i]);
+    for (int i = 0; i < MS_NUM_LEVELS; i++) {
+        if (ms_level_supported((ms_level)i)) {
+            PyObject *s = PyUnicode_FromString(level_names[i]);
             if (!s || PyList_Append(l, s) < 0) {
                 Py_XDECREF(s);
                 Py_DECREF(l);
@@ -597,9 +597,9 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, w, eps, out): out = w * x / sqrt(mean(x^2) + eps) per row of len(w), numpy's float32 bits"},
     {"memread", py_memread, METH_VARARGS, "memread(buffer, threads): read every byte (bandwidth baseline)"},
-    {"get_isa", py_get_isa, METH_NOARGS, "the instruction set the kernels use"},
-    {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): force scalar, avx2 or avx512"},
-    {"supported_isas", py_supported_isas, METH_NOARGS, "instruction sets this CPU supports"},
+    {"get_isa", py_get_isa, METH_NOARGS, "the kernel path in use (see set_isa)"},
+    {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): force scalar, avx2, avx512 (its integer kernels without VNNI) or avx512vnni"},
+    {"supported_isas", py_supported_isas, METH_NOARGS, "the kernel paths this CPU supports, the best last"},
     {"formats", py_formats, METH_NOARGS, "the format table: (name, block, block_bytes) per format id"},
     {NULL, NULL, 0, NULL},
 };

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "matmul.h"
 #include "quant.h"
 #include "quant_int8.h"
 #include "quant_int8_simd.h"
@@ -205,7 +206,7 @@ static VNNI void mxfp4_vnni_four(const ms_matrix *m, int64_t row0, int nrows, co
 }
 
 void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    if (__builtin_cpu_supports("avx512vnni"))
+    if (ms_use_vnni())
         mxfp4_vnni(m, row0, nrows, xp, out);
     else
         ms_dot4_mxfp4_int_avx2(m, row0, nrows, xp, out);
@@ -215,7 +216,7 @@ void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const
  * each row with the one-token kernel's bits; without VNNI the AVX2 kernel. */
 void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                           float *out, int64_t out_stride) {
-    dot4_per_token(__builtin_cpu_supports("avx512vnni") ? mxfp4_vnni_four : ms_dot4_mxfp4_int_avx2, m, row0, nrows,
+    dot4_per_token(ms_use_vnni() ? mxfp4_vnni_four : ms_dot4_mxfp4_int_avx2, m, row0, nrows,
                    xp, stride, T, out, out_stride);
 }
 
@@ -310,7 +311,7 @@ static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
 }
 
 void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    if (__builtin_cpu_supports("avx512vnni"))
+    if (ms_use_vnni())
         int4_vnni(m, row0, nrows, xp, out);
     else
         ms_dot4_int4_avx2(m, row0, nrows, xp, out);
@@ -369,7 +370,7 @@ static VNNI void gemm_int4_vnni(const ms_matrix *m, int64_t row0, int nrows, con
  * VNNI the AVX2 kernel token by token. */
 void ms_gemm_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride) {
-    if (__builtin_cpu_supports("avx512vnni"))
+    if (ms_use_vnni())
         gemm_int4_vnni(m, row0, nrows, xp, stride, T, out, out_stride);
     else
         dot4_per_token(ms_dot4_int4_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
@@ -416,7 +417,7 @@ static VNNI void q8_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
 }
 
 void ms_dot4_q8_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    if (__builtin_cpu_supports("avx512vnni"))
+    if (ms_use_vnni())
         q8_0_vnni(m, row0, nrows, xp, out);
     else
         ms_dot4_q8_0_avx2(m, row0, nrows, xp, out);
@@ -540,7 +541,7 @@ static VNNI void gemm_q4_k_vnni(const ms_matrix *m, int64_t row0, int nrows, con
 
 void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride) {
-    if (__builtin_cpu_supports("avx512vnni")) /* the same sums as the AVX2 gemm, which runs without VNNI */
+    if (ms_use_vnni()) /* the same sums as the AVX2 gemm, which runs without VNNI */
         gemm_q4_k_vnni(m, row0, nrows, xp, stride, T, out, out_stride);
     else
         ms_gemm_q4_k_avx2(m, row0, nrows, xp, stride, T, out, out_stride);

@@ -14,7 +14,7 @@ from moestream import _C
 from moestream.quant import FORMATS, Weight, blocks, dequantize_reference, matmul_many
 from moestream.quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
 
-ISAS = ["scalar", "avx2", "avx512"]
+ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]  # avx512: its integer kernels without VNNI, as on Skylake-X
 SHAPES = [(1, 1), (5, 17), (37, 53), (130, 300), (64, 2048)]
 MX_SHAPES = [(1, 32), (5, 64), (37, 96), (130, 320), (64, 2048)]  # mxfp4: cols divisible by 32
 
@@ -179,6 +179,21 @@ def test_activation_quantization_same_on_every_isa(fmt):
 
 def test_best_isa_is_default():
     assert _C.get_isa() == _C.supported_isas()[-1]
+
+
+def test_every_supported_path_can_be_chosen():
+    """Each path the CPU supports can be set and read back (avx512 and avx512vnni are two paths of one
+    instruction set), and one it lacks is refused."""
+    before = _C.get_isa()
+    try:
+        for isa in _C.supported_isas():
+            _C.set_isa(isa)
+            assert _C.get_isa() == isa
+    finally:
+        _C.set_isa(before)
+    for isa in set(ISAS) - set(_C.supported_isas()):
+        with pytest.raises(ValueError, match="does not support"):
+            _C.set_isa(isa)
 
 
 def test_bad_arguments_raise():
