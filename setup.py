@@ -19,6 +19,7 @@ SOURCES = [
     "csrc/quant_int8.c",
     "csrc/quant_int8_avx2.c",
     "csrc/quant_int8_avx512.c",
+    "csrc/quant_mxfp4_vbmi.c",
 ]
 
 setup(
@@ -35,6 +36,7 @@ setup(
                 "csrc/quant.h",
                 "csrc/quant_int8.h",
                 "csrc/quant_int8_simd.h",
+                "csrc/quant_mxfp4_avx512.h",
                 "csrc/matmul.h",
                 "csrc/threadpool.h",
                 "csrc/quant_float_simd.h",

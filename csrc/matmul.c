@@ -8,7 +8,7 @@
 #include "threadpool.h"
 
 static ms_isa active_isa = MS_ISA_SCALAR;
-static int use_vnni = 0;
+static ms_level active_level = MS_LEVEL_SCALAR;
 
 int ms_isa_supported(ms_isa isa) {
     __builtin_cpu_init();
@@ -25,9 +25,15 @@ int ms_isa_supported(ms_isa isa) {
 }
 
 int ms_level_supported(ms_level level) {
-    if (level == MS_LEVEL_AVX512_VNNI)
-        return ms_isa_supported(MS_ISA_AVX512) && __builtin_cpu_supports("avx512vnni");
-    return level >= 0 && level < MS_LEVEL_AVX512_VNNI && ms_isa_supported((ms_isa)level);
+    switch (level) {
+        case MS_LEVEL_SCALAR: return ms_isa_supported(MS_ISA_SCALAR);
+        case MS_LEVEL_AVX2: return ms_isa_supported(MS_ISA_AVX2);
+        case MS_LEVEL_AVX512: return ms_isa_supported(MS_ISA_AVX512);
+        case MS_LEVEL_AVX512_VNNI: return ms_isa_supported(MS_ISA_AVX512) && __builtin_cpu_supports("avx512vnni");
+        case MS_LEVEL_AVX512_VBMI:
+            return ms_level_supported(MS_LEVEL_AVX512_VNNI) && __builtin_cpu_supports("avx512vbmi");
+        default: return 0;
+    }
 }
 
 void ms_init(void) {
@@ -38,16 +44,18 @@ void ms_init(void) {
 
 ms_isa ms_get_isa(void) { return active_isa; }
 
-ms_level ms_get_level(void) { return use_vnni ? MS_LEVEL_AVX512_VNNI : (ms_level)active_isa; }
+ms_level ms_get_level(void) { return active_level; }
 
 int ms_set_level(ms_level level) {
     if (!ms_level_supported(level)) return -1;
-    active_isa = level == MS_LEVEL_AVX512_VNNI ? MS_ISA_AVX512 : (ms_isa)level;
-    use_vnni = level == MS_LEVEL_AVX512_VNNI;
+    active_level = level;
+    active_isa = level >= MS_LEVEL_AVX512 ? MS_ISA_AVX512 : (ms_isa)level;
     return 0;
 }
 
-int ms_use_vnni(void) { return use_vnni; }
+int ms_use_vnni(void) { return active_level >= MS_LEVEL_AVX512_VNNI; }
+
+int ms_use_vbmi(void) { return active_level >= MS_LEVEL_AVX512_VBMI; }
 
 /* Rows [r0, r1) of thread ith: contiguous, multiples of 4 so that dot4 tiles never straddle. */
 static void row_range(int64_t rows, int ith, int nth, int64_t *r0, int64_t *r1) {

@@ -9,12 +9,21 @@ int ms_isa_supported(ms_isa isa);
 ms_isa ms_get_isa(void);
 
 /* The kernel paths one can choose: an instruction set, and with AVX-512 whether the integer kernels use
- * VNNI (vpdpbusd) or, as on an AVX-512 CPU without it, run their AVX2 versions. */
-typedef enum { MS_LEVEL_SCALAR, MS_LEVEL_AVX2, MS_LEVEL_AVX512, MS_LEVEL_AVX512_VNNI, MS_NUM_LEVELS } ms_level;
+ * VNNI (vpdpbusd) or, as on an AVX-512 CPU without it, run their AVX2 versions; and with VNNI whether
+ * mxfp4's use VBMI (vpermb) too. */
+typedef enum {
+    MS_LEVEL_SCALAR,
+    MS_LEVEL_AVX2,
+    MS_LEVEL_AVX512,
+    MS_LEVEL_AVX512_VNNI,
+    MS_LEVEL_AVX512_VBMI, /* VNNI and VBMI */
+    MS_NUM_LEVELS
+} ms_level;
 int ms_level_supported(ms_level level);
 ms_level ms_get_level(void);
 int ms_set_level(ms_level level); /* 0 on success, -1 if this CPU lacks it */
 int ms_use_vnni(void);            /* the AVX-512 integer kernels take their VNNI paths */
+int ms_use_vbmi(void);            /* and mxfp4's its VBMI path */
 
 /* out[t, r] = dot(W[r, :], x[t, :]) for t < T, r < rows; x is [T, cols], out is [T, rows]. Threads
  * split the rows; every element has the canonical reduction order, so the result does not depend on

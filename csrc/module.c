@@ -11,7 +11,7 @@
 #include "matmul.h"
 #include "norm.h"
 
-static const char *level_names[MS_NUM_LEVELS] = {"scalar", "avx2", "avx512", "avx512vnni"};
+static const char *level_names[MS_NUM_LEVELS] = {"scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi"};
 
 /* Fills an ms_matrix from Python arguments and checks every size against the buffers. Returns 0, or
  * -1 with a Python exception set. The caller releases the buffers. */
@@ -598,7 +598,8 @@ static PyMethodDef methods[] = {
      "rms_norm(x, w, eps, out): out = w * x / sqrt(mean(x^2) + eps) per row of len(w), numpy's float32 bits"},
     {"memread", py_memread, METH_VARARGS, "memread(buffer, threads): read every byte (bandwidth baseline)"},
     {"get_isa", py_get_isa, METH_NOARGS, "the kernel path in use (see set_isa)"},
-    {"set_isa", py_set_isa, METH_VARARGS, "set_isa(name): force scalar, avx2, avx512 (its integer kernels without VNNI) or avx512vnni"},
+    {"set_isa", py_set_isa, METH_VARARGS,
+     "set_isa(name): force scalar, avx2, avx512 (integer kernels without VNNI), avx512vnni or avx512vbmi"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "the kernel paths this CPU supports, the best last"},
     {"formats", py_formats, METH_NOARGS, "the format table: (name, block, block_bytes) per format id"},
     {NULL, NULL, 0, NULL},

@@ -159,6 +159,10 @@ void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const f
 void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
 void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                           float *out, int64_t out_stride); /* VNNI; else the AVX2 kernel token by token */
+/* The VNNI + VBMI kernels ms_dot4_mxfp4_int_avx512 and ms_gemm_mxfp4_avx512 run when ms_use_vbmi(): a tile
+ * against one token for decode, and for prefill (four rows at once whatever their width). */
+void ms_dot4_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_mxfp4_vbmi_prefill(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_prep_x_int4(const float *x, int64_t n, float *xp);
 void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp);
 void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out);

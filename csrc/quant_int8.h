@@ -74,4 +74,12 @@ static inline ms_int4x ms_int4x_at(const float *xp, int64_t nb) {
 void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]);
 float ms_lanes8_reduce(const float f[8]); /* (f0+f4 + f2+f6) + (f1+f5 + f3+f7) */
 float ms_q4_k_min_reduce(const float fmin[4]); /* (m0 + m1) + (m2 + m3) */
+
+/* How many rows ahead the one-row-stream kernels (int4, mxfp4) prefetch: at least min_rows, and at least
+ * 16 KB, in steps of `step` rows (the rows a pass takes together). */
+static inline int64_t prefetch_rows(int64_t row_bytes, int64_t step, int64_t min_rows) {
+    const int64_t rows = step * ((16384 + step * row_bytes - 1) / (step * row_bytes));
+    return rows > min_rows ? rows : min_rows;
+}
+
 #endif

@@ -14,7 +14,7 @@ from moestream import _C
 from moestream.quant import FORMATS, Weight, blocks, dequantize_reference, matmul_many
 from moestream.quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
 
-ISAS = ["scalar", "avx2", "avx512", "avx512vnni"]  # avx512: its integer kernels without VNNI, as on Skylake-X
+ISAS = ["scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi"]  # avx512: integer kernels without VNNI (Skylake-X)
 SHAPES = [(1, 1), (5, 17), (37, 53), (130, 300), (64, 2048)]
 MX_SHAPES = [(1, 32), (5, 64), (37, 96), (130, 320), (64, 2048)]  # mxfp4: cols divisible by 32
 

@@ -1,0 +1,159 @@
+/* mxfp4's AVX-512 kernels, compiled once in each translation unit that includes this: with VNNI
+ * (quant_int8_avx512.c, the nibbles looked up by vpshufb after masking) and with VNNI and VBMI
+ * (quant_mxfp4_vbmi.c, by vpermb, which reads only the low six bits of each index, so that the 16-entry
+ * table repeated four times needs no masks: ~+3-5% from memory on Zen 5). The includer defines MX_TARGET
+ * (the target attribute of the functions that use vpdpbusd) and
+ * mx_nibbles(v, lut, &ul, &uh): ul and uh, the doubled E2M1 values + 12 of the low and the high nibbles of
+ * the 64 bytes v, from lut (those 16 values in each 128-bit lane). It gets mx_decode and mx_prefill, a tile
+ * of rows against one token for decode and for prefill. */
+
+/* 2^(s-128) for 16 E8M0 bytes, the values of ms_e8m0_half_lut: the exponent field is s - 1 for s >= 2,
+ * s = 1 and s = 0 are the subnormals 2^-127 and 2^-128, s = 255 the table's NaN. */
+static inline __m512 e8m0_half16(__m128i s8, int32_t nan_bits) {
+    __m512i s = _mm512_cvtepu8_epi32(s8);
+    __m512i bits = _mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(1)), 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmplt_epu32_mask(s, _mm512_set1_epi32(2)),
+                                 _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), s));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)), _mm512_set1_epi32(nan_bits));
+    return _mm512_castsi512_ps(bits);
+}
+
+/* The exact lane sums of four blocks (lane L of 128-bit lane c: block c's positions 4L..4L+3 and their
+ * high-nibble twins) from the unsigned values k + 12 of the low nibbles (ul) and the high ones (uh) against
+ * the three digits of the matching halves, as A0 * 2^14 + A1 * 2^7 + (A2 - off), exact in int32; three
+ * short chains rather than one long one (noff = -off). */
+static inline MX_TARGET __m512i mx_quad(__m512i ul, __m512i uh, const __m512i p[6], __m512i noff) {
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i a0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, ul, p[0]), uh, p[1]);
+    const __m512i a1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, ul, p[2]), uh, p[3]);
+    const __m512i a2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(noff, ul, p[4]), uh, p[5]);
+    return _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(a0, 14), _mm512_slli_epi32(a1, 7)), a2);
+}
+
+/* mxfp4's four chains, one per 128-bit lane: lane L is (chain 0 + chain 1) + (chain 2 + chain 3), then
+ * (lane 0 + lane 2) + (lane 1 + lane 3). */
+static inline float finish4(__m512 acc) {
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0xB1)); /* 128-bit lanes 0+1 and 2+3 */
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E)); /* (0+1) + (2+3) in lane 0 */
+    __m128 f = _mm512_castps512_ps128(acc);
+    f = _mm_add_ps(f, _mm_movehl_ps(f, f)); /* f0 + f2, f1 + f3 */
+    return _mm_cvtss_f32(_mm_add_ss(f, _mm_movehdup_ps(f)));
+}
+
+/* mxfp4, R rows (R a constant, so the row loops unroll): for each group of 16 blocks, the 16 products
+ * 2^(s-128) * d of every row at once; per group of four blocks, a row's 64 bytes split into low and high
+ * nibbles (positions 0..15 and 16..31 of each block) become two registers of unsigned values, and three
+ * short vpdpbusd chains (one per digit) over both against the group's activations (laid out to match,
+ * quant_int8.h) give the four lanes of each block; block c of the group adds into 128-bit lane c of the
+ * row's accumulator (the four chains of the canonical order), scaled by its own product.
+ *
+ * mx_group is one group of g blocks (4, or fewer in the last group) at block b of R rows, k = b - b0 in its
+ * tile of 16; mx_rows runs the tiles. */
+static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8_t *const w[4], const int R, int64_t b,
+                                                           int k, int g, int64_t ahead, const ms_mxfp4x *x,
+                                                           const __m512i ulut, const __m512 dd[4], __m512 acc[4]) {
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    /* block c's scale product in 128-bit lane c */
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(k), quad);
+    /* The tile ahead_rows rows on, in address order: its R rows are contiguous, and a group takes 64 bytes of
+     * each row, so R lines a group cover it by the end of this tile. Four rows at once, prefetched as four
+     * streams (each row at the same column), ran at 78-86% of the read from memory (two threads,
+     * 4096x14336, read ~45 GB/s) and one stream at 86-91%; one thread 69% -> 82% */
+    for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[0] + ahead + R * 16 * b + 64 * r), _MM_HINT_T0);
+    int8_t *const q[3] = {x->p0 + 32 * b, x->p1 + 32 * b, x->p2 + 32 * b};
+    __m512i p[6], noff, v[4];
+    if (g == 4) {
+        for (int i = 0; i < 3; i++) {
+            p[2 * i] = _mm512_loadu_si512(q[i]);
+            p[2 * i + 1] = _mm512_loadu_si512(q[i] + 64);
+        }
+        noff = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(x->off + 4 * b));
+        for (int r = 0; r < R; r++) v[r] = _mm512_loadu_si512(w[r] + 16 * b);
+    } else { /* the last, shorter group: its halves are 16 g bytes long */
+        const __mmask64 kb = ((__mmask64)1 << (16 * g)) - 1;
+        for (int i = 0; i < 3; i++) {
+            p[2 * i] = _mm512_maskz_loadu_epi8(kb, q[i]);
+            p[2 * i + 1] = _mm512_maskz_loadu_epi8(kb, q[i] + 16 * g);
+        }
+        noff = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                _mm512_maskz_loadu_epi32((__mmask16)((1u << (4 * g)) - 1), x->off + 4 * b));
+        for (int r = 0; r < R; r++) v[r] = _mm512_maskz_loadu_epi8(kb, w[r] + 16 * b);
+    }
+    const __mmask16 lanes = g == 4 ? (__mmask16)0xFFFF : (__mmask16)((1u << (4 * g)) - 1);
+    for (int r = 0; r < R; r++) {
+        __m512i ul, uh;
+        mx_nibbles(v[r], ulut, &ul, &uh);
+        __m512 d = _mm512_permutexvar_ps(idx, dd[r]);
+        acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(mx_quad(ul, uh, p, noff)), d, acc[r], lanes);
+    }
+}
+
+static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_matrix *m, int64_t row0, const int R,
+                                                          const ms_mxfp4x *x, int64_t nb, int64_t ahead_rows,
+                                                          int32_t nan_bits, const __m512i ulut, float *out) {
+    const uint8_t *w[4], *s[4];
+    __m512 acc[4], dd[4];
+    for (int r = 0; r < R; r++) {
+        w[r] = m->data + (row0 + r) * m->row_bytes;
+        s[r] = ms_mxfp4_scale_row(m, row0 + r);
+        acc[r] = _mm512_setzero_ps();
+    }
+    const int64_t ahead = ahead_rows * m->row_bytes; /* the weights and scales ahead_rows rows on */
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        __mmask16 km = (__mmask16)((1u << n) - 1);
+        __m512 xd = n == 16 ? _mm512_loadu_ps(x->d + b0) : _mm512_maskz_loadu_ps(km, x->d + b0);
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(s[r] + b0 + ahead_rows * nb), _MM_HINT_T0);
+            __m128i s8 = n == 16 ? _mm_loadu_si128((const __m128i *)(s[r] + b0)) : _mm_maskz_loadu_epi8(km, s[r] + b0);
+            dd[r] = _mm512_mul_ps(e8m0_half16(s8, nan_bits), xd);
+        }
+        if (n == 16) { /* a full tile, without the tail's branches, two groups an iteration: one thread
+                        * from memory 24-27 -> 29-32 GB/s (one row at a time), two threads with the read at
+                        * ~80 GB/s 7168x2048 45 -> 54 GB/s, with the read at ~50 the same; by four, one row
+                        * from memory fell to 64% of the read (70% as before) */
+#pragma GCC unroll 2
+            for (int k = 0; k < 16; k += 4) mx_group(w, R, b0 + k, k, 4, ahead, x, ulut, dd, acc);
+        } else {
+            for (int k = 0; k < n; k += 4) mx_group(w, R, b0 + k, k, n - k < 4 ? n - k : 4, ahead, x, ulut, dd, acc);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = finish4(acc[r]);
+}
+
+/* Rows one at a time while the token's activations fit well in L1 (MS_MXFP4X_BYTES per block; 32 KB: up
+ * to 9024 columns): a row's weights and scales then stream in order, which from memory beats four rows
+ * sharing the activation loads (A/B, two threads, read ~47 GB/s: 7168x2048 79% -> 95% of the read,
+ * 2048x7168 79% -> 90-96%, 3584x3072 81% -> 90%); wider rows take four at a time, so that each activation
+ * load serves four rows (one row at a time, 4096x14336: 52% of the read against 81%). */
+#define MX_ONE_ROW_MAX 32768
+
+/* A tile of nrows rows against one token. Decode: rows one at a time up to MX_ONE_ROW_MAX bytes of
+ * activations, else four at once, prefetching at least 16 KB ahead. Prefill: four at once whatever the
+ * width, prefetching the next tile only (no division per token). */
+static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_matrix *m, int64_t row0, int nrows,
+                                                             const float *xp, float *out, const int prefill) {
+    int64_t nb = m->cols / 32;
+    ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
+    int8_t t[16];
+    for (int i = 0; i < 16; i++) t[i] = (int8_t)(ms_e2m1_x2_lut[i] + 12);
+    const __m512i ulut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t));
+    int32_t nan_bits;
+    memcpy(&nan_bits, &ms_e8m0_half_lut[255], sizeof nan_bits);
+    if (nrows == 4 && (prefill || nb * MS_MXFP4X_BYTES > MX_ONE_ROW_MAX)) {
+        mx_rows(m, row0, 4, &x, nb, prefill ? 4 : prefetch_rows(m->row_bytes, 4, 4), nan_bits, ulut, out);
+        return;
+    }
+    const int64_t ahead_rows = prefill ? 4 : prefetch_rows(m->row_bytes, 1, 1);
+    for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, ahead_rows, nan_bits, ulut, out + r);
+}
+
+static MX_TARGET void mx_decode(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    mxfp4_tile(m, row0, nrows, xp, out, 0);
+}
+
+/* For prefill: four rows at once whatever their width; the tile is in cache after the first token, where
+ * sharing each activation load among four rows beats streaming one row. */
+static MX_TARGET void mx_prefill(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    mxfp4_tile(m, row0, nrows, xp, out, 1);
+}
