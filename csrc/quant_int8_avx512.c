@@ -1,5 +1,6 @@
 /* AVX-512 integer kernels: mxfp4, int4 and q8_0 with VNNI (vpdpbusd; mxfp4 four blocks per register, their
- * low and high nibbles in two registers summed in the same chains; int4 and q8_0 two blocks per register,
+ * low and high nibbles in two registers summed in the same chains, its body in quant_mxfp4_avx512.h and its
+ * VBMI build in quant_mxfp4_vbmi.c; int4 and q8_0 two blocks per register,
  * even blocks in the low half and odd ones in the high half; on an AVX-512 CPU without VNNI the AVX2
  * kernels run instead); q4_k and q6_k (decode and gemm) with AVX-512BW, two sub-blocks (chunks) per
  * register. The same exact lane integers and the same canonical float order as the scalar path

@@ -50,8 +50,8 @@ static inline float finish4(__m512 acc) {
  * mx_group is one group of g blocks (4, or fewer in the last group) at block b of R rows, k = b - b0 in its
  * tile of 16; mx_rows runs the tiles. */
 static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8_t *const w[4], const int R, int64_t b,
-                                                           int k, int g, int64_t ahead, const ms_mxfp4x *x,
-                                                           const __m512i ulut, const __m512 dd[4], __m512 acc[4]) {
+                                                                int k, int g, int64_t ahead, const ms_mxfp4x *x,
+                                                                const __m512i ulut, const __m512 dd[4], __m512 acc[4]) {
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     /* block c's scale product in 128-bit lane c */
     const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(k), quad);
@@ -89,8 +89,8 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8
 }
 
 static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_matrix *m, int64_t row0, const int R,
-                                                          const ms_mxfp4x *x, int64_t nb, int64_t ahead_rows,
-                                                          int32_t nan_bits, const __m512i ulut, float *out) {
+                                                               const ms_mxfp4x *x, int64_t nb, int64_t ahead_rows,
+                                                               int32_t nan_bits, const __m512i ulut, float *out) {
     const uint8_t *w[4], *s[4];
     __m512 acc[4], dd[4];
     for (int r = 0; r < R; r++) {
@@ -132,7 +132,7 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_mat
  * activations, else four at once, prefetching at least 16 KB ahead. Prefill: four at once whatever the
  * width, prefetching the next tile only (no division per token). */
 static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_matrix *m, int64_t row0, int nrows,
-                                                             const float *xp, float *out, const int prefill) {
+                                                                  const float *xp, float *out, const int prefill) {
     int64_t nb = m->cols / 32;
     ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
     int8_t t[16];
