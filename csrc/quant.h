@@ -92,6 +92,23 @@ extern const int8_t ms_e2m1_x2_lut[16];
 extern float ms_e8m0_lut[256];      /* 2^(s-127); 255 is NaN */
 extern float ms_e8m0_half_lut[256]; /* 2^(s-128): pairs with the doubled nibble values */
 
+/* tq1_0's trit j (0..4) of byte v, 0..2 (GGUF: five base-3 digits, most significant first, scaled to
+ * 0..255): the low byte of v * 3^j, times 3, over 256. */
+static inline int ms_tq1_trit(uint8_t v, int j) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    uint8_t t = (uint8_t)(v * pow3[j]);
+    return (int)(((uint16_t)t * 3) >> 8);
+}
+
+/* The stored value q (0..2; the weight is d * (q - 1)) of element e (0..255) of a tq2_0 block and of a
+ * tq1_0 block. */
+static inline int ms_tq2_q(const uint8_t *b, int e) { return (b[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3; }
+static inline int ms_tq1_q(const uint8_t *b, int e) {
+    if (e < 160) return ms_tq1_trit(b[e % 32], e / 32);
+    if (e < 240) return ms_tq1_trit(b[32 + (e - 160) % 16], (e - 160) / 16);
+    return ms_tq1_trit(b[48 + (e - 240) % 4], (e - 240) / 4);
+}
+
 static inline const float *ms_fp8_scale_row(const ms_matrix *m, int64_t row) {
     int64_t ncb = (m->cols + 127) / 128;
     return (const float *)m->scales + (row / 128) * ncb;
@@ -163,6 +180,11 @@ void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const cha
  * against one token for decode, and for prefill (four rows at once whatever their width). */
 void ms_dot4_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_mxfp4_vbmi_prefill(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_tq2_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_tq2_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_tq2_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
+void ms_dot4_tq1_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_prep_x_int4(const float *x, int64_t n, float *xp);
 void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp);
 void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out);

@@ -94,25 +94,18 @@ static void deq_q2_k(const uint8_t *b, float *y) {
 static void deq_tq2_0(const uint8_t *b, float *y) {
     float d = h2f(b + 64);
     for (int e = 0; e < 256; e++) {
-        int q = (b[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3;
-        y[e] = d * (float)(q - 1);
+        y[e] = d * (float)(ms_tq2_q(b, e) - 1);
     }
-}
-
-static inline int trit(uint8_t v, int j) {
-    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
-    uint8_t t = (uint8_t)(v * pow3[j]);
-    return (int)(((uint16_t)t * 3) >> 8);
 }
 
 static void deq_tq1_0(const uint8_t *b, float *y) {
     float d = h2f(b + 52);
     for (int j = 0; j < 5; j++)
-        for (int i = 0; i < 32; i++) y[32 * j + i] = d * (float)(trit(b[i], j) - 1);
+        for (int i = 0; i < 32; i++) y[32 * j + i] = d * (float)(ms_tq1_trit(b[i], j) - 1);
     for (int j = 0; j < 5; j++)
-        for (int i = 0; i < 16; i++) y[160 + 16 * j + i] = d * (float)(trit(b[32 + i], j) - 1);
+        for (int i = 0; i < 16; i++) y[160 + 16 * j + i] = d * (float)(ms_tq1_trit(b[32 + i], j) - 1);
     for (int j = 0; j < 4; j++)
-        for (int i = 0; i < 4; i++) y[240 + 4 * j + i] = d * (float)(trit(b[48 + i], j) - 1);
+        for (int i = 0; i < 4; i++) y[240 + 4 * j + i] = d * (float)(ms_tq1_trit(b[48 + i], j) - 1);
 }
 
 typedef void (*block_fn)(const uint8_t *b, float *y);

@@ -134,6 +134,35 @@ void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
     }
 }
 
+/* ---- tq2_0 and tq1_0 (ternary: d * (q - 1), q in 0..2) against q8_k activations --------------------
+ * A block's exact integer S = sum(q * a) - sum(a) (the latter from the q8_k record's bsums), then one
+ * fused multiply-add a block in block order, f = fmaf(S, d * d(x), f): every path makes the same S and
+ * the same chain, so the same bits. */
+static void dot4_ternary(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out,
+                         int (*q_of)(const uint8_t *, int), int bytes) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    int64_t nb = m->cols / 256;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float f = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += bytes) {
+            int32_t s = 0;
+            for (int e = 0; e < 256; e++) s += q_of(w, e) * x[b].q[e];
+            for (int j = 0; j < 8; j++) s -= x[b].bsums[j];
+            f = fmaf((float)s, h2f(w + bytes - 2) * x[b].d, f);
+        }
+        out[r] = f;
+    }
+}
+
+void ms_dot4_tq2_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    dot4_ternary(m, row0, nrows, xp, out, ms_tq2_q, 66);
+}
+
+void ms_dot4_tq1_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    dot4_ternary(m, row0, nrows, xp, out, ms_tq1_q, 54);
+}
+
 /* ---- compressed-tensors int4 (value = nibble - 8, one f32 scale per 32) -------------------------- */
 
 /* Activations in the weights' nibble order (low nibbles = even columns first), so that lane L takes

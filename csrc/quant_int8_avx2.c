@@ -537,3 +537,106 @@ void ms_prep_x_q6_k_avx2(const float *x, int64_t n, float *xp) {
                                 _mm256_maddubs_epi16(k32, _mm256_loadu_si256((const __m256i *)(b[i].k.q + 32 * c))));
     }
 }
+
+/* ---- tq2_0 and tq1_0 against q8_k activations: ms_dot4_tq2_0_scalar's exact block sums and chain ---- */
+
+/* The sum of the eight int32 lanes of v (exact). */
+static inline int32_t sum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* sum(a) over a q8_k block, from its eight bsums. */
+static inline int32_t q8k_sum(const ms_q8_kx *x) {
+    __m128i s = _mm_madd_epi16(_mm_loadu_si128((const __m128i *)x->bsums), _mm_set1_epi16(1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* How far ahead the ternary kernels ask for a row's bytes: the next tile, at most 8 KB on (as q6_k). */
+static inline int64_t ternary_ahead(const ms_matrix *m) { return 4 * m->row_bytes < 8192 ? 4 * m->row_bytes : 8192; }
+
+/* tq2_0: each 32 bytes of 2-bit values shifted by 0, 2, 4, 6 give four runs of 32 values (0..2), each
+ * multiplied by maddubs against its 32 activations (int16 pair sums, |.| <= 508; eight of them added in
+ * int16, |.| <= 4064), then widened by madd. */
+void ms_dot4_tq2_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    const int64_t nb = m->cols / 256, ahead = ternary_ahead(m);
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi16(1);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float f = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += 66) {
+            prefetch_ahead(w, ahead, 66);
+            __m256i acc = _mm256_setzero_si256();
+            for (int j = 0; j < 2; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
+                for (int l = 0; l < 4; l++) {
+                    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * l), m3);
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(x[b].q + 128 * j + 32 * l));
+                    acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, a));
+                }
+            }
+            const int32_t s = sum_epi32(_mm256_madd_epi16(acc, one)) - q8k_sum(&x[b]);
+            f = fmaf((float)s, h2f(w + 64) * x[b].d, f);
+        }
+        out[r] = f;
+    }
+}
+
+/* tq1_0's trits: byte v's trit j is the low byte of v * 3^j, times 3, over 256. c holds 3^j in every
+ * 16-bit lane (or a lane's own power); vo is v's odd bytes (v & 0xFF00). The low bytes of the 16-bit
+ * products are the even bytes' v * 3^j mod 256, the odd bytes' come from vo; mulhi then takes t * 3 >> 8. */
+static inline __m256i trits256(__m256i v, __m256i vo, __m256i c) {
+    const __m256i lo = _mm256_set1_epi16(0x00FF);
+    const __m256i te = _mm256_and_si256(_mm256_mullo_epi16(v, c), lo);
+    const __m256i to = _mm256_andnot_si256(lo, _mm256_mullo_epi16(vo, c));
+    return _mm256_or_si256(_mm256_mulhi_epu16(te, _mm256_set1_epi16(768)),
+                           _mm256_slli_epi16(_mm256_mulhi_epu16(to, _mm256_set1_epi16(3)), 8));
+}
+
+/* The same for 16 bytes (the upper half of the 256-bit work is ignored). */
+static inline __m128i trits128(__m128i v, __m128i vo, __m128i c) {
+    return _mm256_castsi256_si128(
+        trits256(_mm256_castsi128_si256(v), _mm256_castsi128_si256(vo), _mm256_castsi128_si256(c)));
+}
+
+/* tq1_0: the first 32 bytes give five runs of 32 values (trits 0..4 of each byte), the next 16 five runs
+ * of 16, and the last 4 (qh) four runs of 4, taken together as 16 bytes (byte k of run j at 4j + k, each
+ * group of four multiplied by its own 3^j); maddubs against the activations as for tq2_0 (|.| <= 5588 in
+ * int16). */
+void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    const int64_t nb = m->cols / 256, ahead = ternary_ahead(m);
+    const __m256i one = _mm256_set1_epi16(1), odd = _mm256_set1_epi16((short)0xFF00);
+    const __m128i qh_pow = _mm_setr_epi16(1, 1, 3, 3, 9, 9, 27, 27); /* 16-bit lane i: bytes 2i, 2i + 1 */
+    const short pow3[5] = {1, 3, 9, 27, 81};
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float f = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += 54) {
+            prefetch_ahead(w, ahead, 54);
+            const int8_t *a = x[b].q;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)w), vo = _mm256_and_si256(v, odd);
+            const __m128i v16 = _mm_loadu_si128((const __m128i *)(w + 32)), v16o = _mm_and_si128(v16, _mm256_castsi256_si128(odd));
+            __m256i acc = _mm256_setzero_si256();
+            __m128i acc16 = _mm_setzero_si128();
+            for (int j = 0; j < 5; j++) {
+                const __m256i q = trits256(v, vo, _mm256_set1_epi16(pow3[j]));
+                acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(a + 32 * j))));
+                const __m128i q16 = trits128(v16, v16o, _mm_set1_epi16(pow3[j]));
+                acc16 = _mm_add_epi16(acc16, _mm_maddubs_epi16(q16, _mm_loadu_si128((const __m128i *)(a + 160 + 16 * j))));
+            }
+            uint32_t qh4;
+            memcpy(&qh4, w + 48, 4);
+            const __m128i vh = _mm_set1_epi32((int)qh4);
+            const __m128i qh = trits128(vh, _mm_and_si128(vh, _mm256_castsi256_si128(odd)), qh_pow);
+            acc16 = _mm_add_epi16(acc16, _mm_maddubs_epi16(qh, _mm_loadu_si128((const __m128i *)(a + 240))));
+            acc = _mm256_add_epi16(acc, _mm256_set_m128i(_mm_setzero_si128(), acc16));
+            const int32_t s = sum_epi32(_mm256_madd_epi16(acc, one)) - q8k_sum(&x[b]);
+            f = fmaf((float)s, h2f(w + 52) * x[b].d, f);
+        }
+        out[r] = f;
+    }
+}

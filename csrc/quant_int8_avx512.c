@@ -7,6 +7,7 @@
  * (quant_int8.c). */
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "matmul.h"
@@ -553,4 +554,41 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
         }
         out[r] = reduce8(f) - q4k_min_reduce(fmin);
     }
+}
+
+/* tq2_0 with VNNI (ms_dot4_tq2_0_scalar's sums): the block's 64 bytes of 2-bit values in one register,
+ * shifted by 0, 2, 4, 6, each run of 64 values against activations 32l..32l+31 (low half) and 128 + 32l..
+ * (high half), by vpdpbusd into exact int32 lanes. Without VNNI the AVX2 kernel. */
+static VNNI void tq2_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    const int64_t nb = m->cols / 256, ahead = 4 * m->row_bytes < 8192 ? 4 * m->row_bytes : 8192;
+    const __m512i m3 = _mm512_set1_epi8(3);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float f = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += 66) {
+            prefetch_ahead(w, ahead, 66);
+            const __m512i v = _mm512_loadu_si512(w);
+            __m512i acc = _mm512_setzero_si512();
+            for (int l = 0; l < 4; l++) {
+                const __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 2 * l), m3);
+                const __m512i a = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x[b].q + 32 * l))),
+                    _mm256_loadu_si256((const __m256i *)(x[b].q + 128 + 32 * l)), 1);
+                acc = _mm512_dpbusd_epi32(acc, q, a);
+            }
+            int32_t sa = 0;
+            for (int j = 0; j < 8; j++) sa += x[b].bsums[j];
+            const int32_t s = _mm512_reduce_add_epi32(acc) - sa;
+            f = fmaf((float)s, h2f(w + 64) * x[b].d, f);
+        }
+        out[r] = f;
+    }
+}
+
+void ms_dot4_tq2_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    if (ms_use_vnni())
+        tq2_0_vnni(m, row0, nrows, xp, out);
+    else
+        ms_dot4_tq2_0_avx2(m, row0, nrows, xp, out);
 }

@@ -273,10 +273,44 @@ def test_mxfp4_each_scale_alone_on_every_isa():
     assert_same_on_every_isa(w, x)  # prefill
     assert_same_on_every_isa(w, x[:1])  # decode
     y = w.matmul(x)  # [2, rows]
-    ref = w.dequantize().astype(np.float64) @ x[0].astype(np.float64)  # [rows]
-    bound = np.abs(w.dequantize()).astype(np.float64) @ np.abs(x[0]).astype(np.float64)
+    deq = w.dequantize()[:3].astype(np.float64)  # the rows of scale bytes 0, 1, 2
+    ref = deq @ x[0].astype(np.float64)
+    bound = np.abs(deq) @ np.abs(x[0]).astype(np.float64)
     for s in (0, 1, 2):
         assert ref[s] != 0 and abs(y[0, s] - ref[s]) <= 1e-5 * bound[s], s
+
+
+def q8_k_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [n] float32 -> (int8 values [n / 256, 256], scale d [n / 256]) as the kernels prepare them: d =
+    amax / 127, values rint(x * (127 / amax)) in float32."""
+    xb = x.reshape(-1, 256)
+    amax = np.abs(xb).max(axis=1)
+    safe = np.where(amax == 0, np.float32(1), amax)
+    q = np.clip(np.rint(xb * (np.float32(127) / safe)[:, None]), -127, 127)
+    return np.where(amax[:, None] == 0, 0, q).astype(np.int64), (amax / np.float32(127)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["tq2_0", "tq1_0"])
+def test_ternary_integer_sums_against_int8_activations(isa, fmt):
+    """tq2_0 and tq1_0 multiply their trits (q - 1) by int8 activations in exact integer sums, one per
+    block, then f = fma(S, d * d(x), f) block after block: the result is that formula's to the bit (before,
+    they dequantized to floats and missed it by the activations' rounding)."""
+    w = make_weight(fmt, 9, 256 * 5)
+    x = np.random.default_rng(4).standard_normal(w.cols).astype(np.float32)
+    qa, da = q8_k_reference(x)
+    dbytes = w.data.reshape(w.rows, -1, w.fmt.block_bytes)[:, :, -2:].copy()  # [rows, blocks, 2]: f16 d
+    dw = dbytes.view(np.float16)[:, :, 0].astype(np.float32)  # [rows, blocks]
+    deq = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols).reshape(w.rows, -1, 256)
+    trits = np.rint(deq / np.where(dw == 0, 1, dw)[:, :, None]).astype(np.int64)  # [rows, blocks, 256]: q - 1
+    want = np.zeros(w.rows, np.float32)
+    for r in range(w.rows):
+        f = np.float32(0)
+        for b in range(qa.shape[0]):
+            s = int(trits[r, b] @ qa[b])
+            f = np.float32(np.float64(s) * np.float64(np.float32(dw[r, b] * da[b])) + np.float64(f))
+        want[r] = f
+    got = w.matmul(x[None, :])[0]
+    assert got.tobytes() == want.tobytes()
 
 
 def test_mxfp4_quantization_error_is_small():
