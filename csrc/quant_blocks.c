@@ -85,8 +85,7 @@ static void deq_q2_k(const uint8_t *b, float *y) {
         float dl = d * (float)(s[g] & 0x0F), ml = dmin * (float)(s[g] >> 4);
         for (int l = 0; l < 16; l++) {
             int e = 16 * g + l;
-            int q = (qs[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3;
-            y[e] = dl * (float)q - ml;
+            y[e] = dl * (float)ms_tq2_q(qs, e) - ml; /* the 2-bit values lie as tq2_0's */
         }
     }
 }

@@ -48,11 +48,12 @@ void ms_prep_x_q8_k(const float *x, int64_t n, float *xp) {
     ms_q8_kx *b = (ms_q8_kx *)xp;
     for (int64_t i = 0; i < n / 256; i++) {
         quantize_run(x + 256 * i, 256, &b[i].d, b[i].q);
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < 16; j++) {
             int s = 0;
-            for (int l = 0; l < 32; l++) s += b[i].q[32 * j + l];
-            b[i].bsums[j] = (int16_t)s;
+            for (int l = 0; l < 16; l++) s += b[i].q[16 * j + l];
+            b[i].bsums16[j] = (int16_t)s;
         }
+        for (int j = 0; j < 8; j++) b[i].bsums[j] = (int16_t)(b[i].bsums16[2 * j] + b[i].bsums16[2 * j + 1]);
     }
 }
 
@@ -161,6 +162,31 @@ void ms_dot4_tq2_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const flo
 
 void ms_dot4_tq1_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     dot4_ternary(m, row0, nrows, xp, out, ms_tq1_q, 54);
+}
+
+/* ---- q2_k (d * (scale & 15) * q - dmin * (scale >> 4) per 16, q in 0..3) against q8_k activations -----
+ * A block's exact integers S = sum over its 16 sub-blocks of (scale & 15) * sum(q * a) and
+ * M = sum of (scale >> 4) * sum(a) (the record's bsums16), then two chains in block order,
+ * f = fmaf(S, d * d(x), f) and g = fmaf(M, dmin * d(x), g); the row is f - g. */
+void ms_dot4_q2_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    int64_t nb = m->cols / 256;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float f = 0.0f, g = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += 84) {
+            int32_t s = 0, mins = 0;
+            for (int sb = 0; sb < 16; sb++) {
+                int32_t t = 0;
+                for (int e = 16 * sb; e < 16 * sb + 16; e++) t += ms_tq2_q(w + 16, e) * x[b].q[e];
+                s += (w[sb] & 0x0F) * t;
+                mins += (w[sb] >> 4) * x[b].bsums16[sb];
+            }
+            f = fmaf((float)s, h2f(w + 80) * x[b].d, f);
+            g = fmaf((float)mins, h2f(w + 82) * x[b].d, g);
+        }
+        out[r] = f - g;
+    }
 }
 
 /* ---- compressed-tensors int4 (value = nibble - 8, one f32 scale per 32) -------------------------- */

@@ -14,8 +14,9 @@ typedef struct {
     int8_t q[256];    /* first, so that every 64-byte load of q is aligned (the records are 64-aligned) */
     int16_t bsums[8]; /* sums of q per 32 */
     float d;
-    float pad[11];
-} ms_q8_kx;           /* 320 bytes per 256 activations */
+    int16_t bsums16[16]; /* sums of q per 16 (q2_k's sub-blocks) */
+    float pad[3];
+} ms_q8_kx;              /* 320 bytes per 256 activations */
 
 typedef struct {
     ms_q8_kx k;

@@ -382,16 +382,18 @@ void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp) {
     const __m256i ones = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < n / 256; i++) {
         quantize_run_avx2(x + 256 * i, 256, &b[i].d, b[i].q);
-        int32_t s[8];
         for (int j = 0; j < 8; j++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(b[i].q + 32 * j));
-            __m256i w = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), ones16); /* 8 partial sums */
-            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-            s[j] = _mm_cvtsi128_si32(t);
+            __m256i w = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), ones16); /* 8 sums of 4: 16 per half */
+            __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
+            lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4e));
+            hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0x4e));
+            const int s0 = _mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xb1)));
+            const int s1 = _mm_cvtsi128_si32(_mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0xb1)));
+            b[i].bsums16[2 * j] = (int16_t)s0;
+            b[i].bsums16[2 * j + 1] = (int16_t)s1;
+            b[i].bsums[j] = (int16_t)(s0 + s1);
         }
-        for (int j = 0; j < 8; j++) b[i].bsums[j] = (int16_t)s[j];
     }
 }
 
@@ -638,5 +640,41 @@ void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float
             f = fmaf((float)s, h2f(w + 52) * x[b].d, f);
         }
         out[r] = f;
+    }
+}
+
+/* q2_k (ms_dot4_q2_k_scalar's sums): the 2-bit values lie as tq2_0's, each run of 32 being sub-blocks 2c
+ * and 2c + 1; maddubs against the activations, then madd by the two sub-blocks' scales (pick_word, the
+ * scales reordered even ones first as for q6_k), and the mins by madd against the 16 bsums16. */
+void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    const int64_t nb = m->cols / 256, ahead = ternary_ahead(m);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float f = 0.0f, g = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += 84) {
+            prefetch_ahead(w, ahead, 84);
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)w);
+            const __m256i sc = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_and_si128(s8, low4), even_odd));
+            const __m256i mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4));
+            __m256i acc = _mm256_setzero_si256();
+            for (int n = 0; n < 2; n++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * n));
+                for (int j = 0; j < 4; j++) {
+                    const int c = 4 * n + j;
+                    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m3);
+                    const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x[b].q + 32 * c)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pick_word(sc, c)));
+                }
+            }
+            const int32_t s = sum_epi32(acc);
+            const int32_t mins = sum_epi32(_mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)x[b].bsums16)));
+            f = fmaf((float)s, h2f(w + 80) * x[b].d, f);
+            g = fmaf((float)mins, h2f(w + 82) * x[b].d, g);
+        }
+        out[r] = f - g;
     }
 }

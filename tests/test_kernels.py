@@ -290,27 +290,51 @@ def q8_k_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(amax[:, None] == 0, 0, q).astype(np.int64), (amax / np.float32(127)).astype(np.float32)
 
 
-@pytest.mark.parametrize("fmt", ["tq2_0", "tq1_0"])
-def test_ternary_integer_sums_against_int8_activations(isa, fmt):
-    """tq2_0 and tq1_0 multiply their trits (q - 1) by int8 activations in exact integer sums, one per
-    block, then f = fma(S, d * d(x), f) block after block: the result is that formula's to the bit (before,
-    they dequantized to floats and missed it by the activations' rounding)."""
+def fma32(a: float, b: float, c: np.float32) -> np.float32:
+    """fmaf(a, b, c) for float32 a, b, c whose product is exact in float64 (a an integer below 2^24)."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def low_bit_reference(w: Weight, x: np.ndarray) -> np.ndarray:
+    """The low-bit formats' canonical product against one token x [cols], from the blocks' bytes: exact
+    integer sums per block against q8_k activations, then fused multiply-adds in block order (tq2_0, tq1_0:
+    S * (d * d(x)); q2_k: f with S = sum of (scale & 15) * sum(q * a) per 16, g with M = sum of (scale >> 4)
+    * sum(a) per 16 times dmin * d(x), the row f - g)."""
+    qa, da = q8_k_reference(x)  # [blocks, 256], [blocks]
+    raw = w.data.reshape(w.rows, -1, w.fmt.block_bytes)  # [rows, blocks, bytes]
+    f16 = raw[:, :, -4:].copy().view(np.float16).astype(np.float32)  # [rows, blocks, 2]: the last two halves
+    deq = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols).reshape(w.rows, -1, 256)
+    out = np.zeros(w.rows, np.float32)
+    for r in range(w.rows):
+        f = g = np.float32(0)
+        for b in range(qa.shape[0]):
+            if w.fmt.name == "q2_k":
+                d, dmin = f16[r, b]
+                sc, mn = (raw[r, b, :16] & 15).astype(np.int64), (raw[r, b, :16] >> 4).astype(np.int64)
+                # q = (value + dmin * mn) / (d * sc), recovered per element where d * sc != 0
+                num = deq[r, b].reshape(16, 16) + (dmin * mn)[:, None]
+                den = (d * sc)[:, None]
+                q = np.where(den == 0, 0, np.rint(num / np.where(den == 0, 1, den))).astype(np.int64)
+                s = int((sc * (q * qa[b].reshape(16, 16)).sum(axis=1)).sum())
+                m = int((mn * qa[b].reshape(16, 16).sum(axis=1)).sum())
+                f = fma32(s, np.float32(d * da[b]), f)
+                g = fma32(m, np.float32(dmin * da[b]), g)
+            else:
+                d = f16[r, b, 1]
+                trits = np.rint(deq[r, b] / (d if d != 0 else 1)).astype(np.int64)  # q - 1
+                f = fma32(int(trits @ qa[b]), np.float32(d * da[b]), f)
+        out[r] = f - g
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["tq2_0", "tq1_0", "q2_k"])
+def test_low_bit_integer_sums_against_int8_activations(isa, fmt):
+    """tq2_0, tq1_0 and q2_k multiply their packed values by int8 activations in exact integer sums, then
+    fused multiply-adds block after block: the result is that formula's, computed here from the blocks'
+    bytes, to the bit (before, they dequantized to floats and missed it by the activations' rounding)."""
     w = make_weight(fmt, 9, 256 * 5)
     x = np.random.default_rng(4).standard_normal(w.cols).astype(np.float32)
-    qa, da = q8_k_reference(x)
-    dbytes = w.data.reshape(w.rows, -1, w.fmt.block_bytes)[:, :, -2:].copy()  # [rows, blocks, 2]: f16 d
-    dw = dbytes.view(np.float16)[:, :, 0].astype(np.float32)  # [rows, blocks]
-    deq = dequantize_reference(w.fmt, w.data, w.scales, w.rows, w.cols).reshape(w.rows, -1, 256)
-    trits = np.rint(deq / np.where(dw == 0, 1, dw)[:, :, None]).astype(np.int64)  # [rows, blocks, 256]: q - 1
-    want = np.zeros(w.rows, np.float32)
-    for r in range(w.rows):
-        f = np.float32(0)
-        for b in range(qa.shape[0]):
-            s = int(trits[r, b] @ qa[b])
-            f = np.float32(np.float64(s) * np.float64(np.float32(dw[r, b] * da[b])) + np.float64(f))
-        want[r] = f
-    got = w.matmul(x[None, :])[0]
-    assert got.tobytes() == want.tobytes()
+    assert w.matmul(x[None, :])[0].tobytes() == low_bit_reference(w, x).tobytes()
 
 
 def test_mxfp4_quantization_error_is_small():
