@@ -100,6 +100,16 @@ static inline int ms_tq1_trit(uint8_t v, int j) {
     return (int)(((uint16_t)t * 3) >> 8);
 }
 
+/* q3_k: the signed 6-bit scale of sub-block g (0..15) from the block's 12 scale bytes s, and element e's
+ * 3-bit value plus 4 (0..7: the 2 low bits from qs, 4 when the hmask bit is set; the weight is d * scale *
+ * (u - 4)). */
+static inline int ms_q3_k_scale(const uint8_t *s, int g) {
+    return (((s[g % 8] >> (4 * (g / 8))) & 0x0F) | (((s[8 + g % 4] >> (2 * (g / 4))) & 0x03) << 4)) - 32;
+}
+static inline int ms_q3_k_u(const uint8_t *hm, const uint8_t *qs, int e) {
+    return ((qs[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3) + 4 * ((hm[e % 32] >> (e / 32)) & 1);
+}
+
 /* The stored value q (0..2; the weight is d * (q - 1)) of element e (0..255) of a tq2_0 block and of a
  * tq1_0 block. */
 static inline int ms_tq2_q(const uint8_t *b, int e) { return (b[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3; }
@@ -137,13 +147,7 @@ void ms_dequant_mxfp4_avx2(const ms_matrix *m, int64_t row, float *out);
 void ms_dequant_mxfp4_avx512(const ms_matrix *m, int64_t row, float *out);
 void ms_prep_x_bf16_avx2(const float *x, int64_t n, float *xp);
 
-/* The block formats (quant_blocks.c): one dequantizer for all ISAs, and a dot that accumulates the
- * dequantized run with each ISA's canonical lane FMA: lanes[i % 16] = fma(w[i], x[i], lanes[i % 16]),
- * with i counted from the row's start (runs start at multiples of 16). */
-typedef void (*ms_lanes_fma_fn)(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
-void ms_lanes_fma_scalar(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
-void ms_lanes_fma_avx2(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
-void ms_lanes_fma_avx512(float lanes[MS_LANES], const float *w, const float *x, int64_t n);
+/* The block formats (quant_blocks.c): one dequantizer for all ISAs. */
 void ms_dequant_blocks(const ms_matrix *m, int64_t row, float *out);
 /* Integer dot kernels (quant_int8*.c): the activations are prepared (quantized) by prep_x. */
 void ms_prep_x_q8_0(const float *x, int64_t n, float *xp);
@@ -183,6 +187,8 @@ void ms_dot4_mxfp4_vbmi_prefill(const ms_matrix *m, int64_t row0, int nrows, con
 void ms_dot4_tq2_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_tq2_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_tq2_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
+void ms_dot4_q3_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_q3_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q2_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_tq1_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
@@ -195,8 +201,5 @@ void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
 void ms_dot4_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
 void ms_gemm_int4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride); /* VNNI; else the AVX2 kernel token by token */
-void ms_dot4_blocks_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
-void ms_dot4_blocks_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
-void ms_dot4_blocks_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out);
 
 #endif

@@ -1,7 +1,6 @@
 /* GGUF block formats (q8_0, q4_k, q6_k, q3_k, q2_k, tq2_0, tq1_0): one block of bytes to floats, in
- * exactly the float operations of the numpy reference (src/moestream/quant/blocks.py). The dot kernels
- * dequantize a run of blocks into a buffer and accumulate it with the canonical lane FMA of each ISA
- * (ms_lanes_fma_*), so every path gives the same bits. */
+ * exactly the float operations of the numpy reference (src/moestream/quant/blocks.py), the same on every
+ * ISA. Their products are integer kernels against int8 activations (quant_int8*.c). */
 #include <math.h>
 #include <string.h>
 
@@ -63,18 +62,8 @@ static void deq_q3_k(const uint8_t *b, float *y) {
     const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
     float d = h2f(b + 108);
     for (int g = 0; g < 16; g++) { /* 16 sub-blocks of 16 */
-        int lo = (s[g % 8] >> (4 * (g / 8))) & 0x0F;
-        int hi = (s[8 + g % 4] >> (2 * (g / 4))) & 0x03;
-        float dl = d * (float)((lo | (hi << 4)) - 32);
-        for (int l = 0; l < 16; l++) {
-            int e = 16 * g + l;     /* element */
-            int half = e / 128;     /* which 32 bytes of qs */
-            int shift = ((e % 128) / 32) * 2;
-            int i = e % 32;
-            int ql = (qs[32 * half + i] >> shift) & 3;
-            int h = (hm[i] >> (e / 32)) & 1;
-            y[e] = dl * (float)(ql - (h ? 0 : 4));
-        }
+        float dl = d * (float)ms_q3_k_scale(s, g);
+        for (int l = 0; l < 16; l++) y[16 * g + l] = dl * (float)(ms_q3_k_u(hm, qs, 16 * g + l) - 4);
     }
 }
 
@@ -130,36 +119,6 @@ void ms_dequant_blocks(const ms_matrix *m, int64_t row, float *out) {
     for (int64_t c = 0; c < m->cols; c += t->block, p += t->block_bytes) f(p, out + c);
 }
 
-/* dot over a row: dequantize 512 columns at a time, accumulate with the ISA's canonical lane FMA. */
-#define BUF 512
-static void dot4_blocks(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out, ms_lanes_fma_fn fma) {
-    const ms_format_traits *t = &ms_formats[m->fmt];
-    block_fn f = block_dequant(m->fmt);
-    float buf[BUF];
-    int per = BUF / t->block; /* blocks per buffer (block divides 512) */
-    for (int r = 0; r < nrows; r++) {
-        float lanes[MS_LANES] = {0};
-        const uint8_t *p = m->data + (row0 + r) * m->row_bytes;
-        for (int64_t c = 0; c < m->cols; c += BUF) {
-            int nb = 0;
-            for (; nb < per && c + (int64_t)nb * t->block < m->cols; nb++) f(p + (int64_t)nb * t->block_bytes, buf + nb * t->block);
-            p += (int64_t)nb * t->block_bytes;
-            fma(lanes, buf, x + c, (int64_t)nb * t->block);
-        }
-        out[r] = ms_lanes_reduce(lanes);
-    }
-}
-
-void ms_dot4_blocks_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
-    dot4_blocks(m, row0, nrows, x, out, ms_lanes_fma_scalar);
-}
-void ms_dot4_blocks_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
-    dot4_blocks(m, row0, nrows, x, out, ms_lanes_fma_avx2);
-}
-void ms_dot4_blocks_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *x, float *out) {
-    dot4_blocks(m, row0, nrows, x, out, ms_lanes_fma_avx512);
-}
-
 /* ---- compressed-tensors int4 (pack-quantized, symmetric, group 32) ---------------------------------
  * weight_packed is int32 [rows, cols/8] holding 8 nibbles each, element j of a word in bits 4j..4j+3,
  * i.e. little-endian bytes with the even element in the low nibble; the value is nibble - 8; the scale
@@ -171,9 +130,4 @@ static void deq_int4_run(const uint8_t *p, const float *s, int64_t n, float *y) 
 
 void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out) {
     deq_int4_run(m->data + row * m->row_bytes, ms_int4_scale_row(m, row), m->cols, out);
-}
-
-/* Scalar canonical accumulation of n floats (n a multiple of 16 except at a row's end). */
-void ms_lanes_fma_scalar(float lanes[MS_LANES], const float *w, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) lanes[i & (MS_LANES - 1)] = fmaf(w[i], x[i], lanes[i & (MS_LANES - 1)]);
 }

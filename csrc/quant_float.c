@@ -156,11 +156,6 @@ void ms_dot4_fp8_scalar(const ms_matrix *m, int64_t row0, int nrows, const float
      {ms_dequant_##NAME##_scalar, ms_dequant_##NAME##_avx2, ms_dequant_##NAME##_avx512}, \
      {NULL, PREP_AVX2, NULL}}
 
-#define BLOCK_ROW(NAME, BLOCK, BYTES)                                                        \
-    {#NAME, BLOCK, BYTES,                                                                    \
-     {ms_dot4_blocks_scalar, ms_dot4_blocks_avx2, ms_dot4_blocks_avx512},                    \
-     {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks}, {NULL, NULL, NULL}}
-
 /* Integer kernels; the AVX-512 slot uses the AVX2 kernel until a 512-bit one exists. */
 const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_F32] = ROW(f32, 1, 4, NULL),
@@ -186,7 +181,10 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
                  {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},
                  {ms_prep_x_q6_k, ms_prep_x_q6_k_avx2, ms_prep_x_q6_k_avx2}, (int)sizeof(ms_q6_kx),
                  {NULL, ms_gemm_q6_k_avx2, ms_gemm_q6_k_avx512}},
-    [MS_Q3_K] = BLOCK_ROW(q3_k, 256, 110),
+    [MS_Q3_K] = {"q3_k", 256, 110,
+                 {ms_dot4_q3_k_scalar, ms_dot4_q3_k_avx2, ms_dot4_q3_k_avx2},
+                 {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},
+                 {ms_prep_x_q8_k, ms_prep_x_q8_k_avx2, ms_prep_x_q8_k_avx2}, (int)sizeof(ms_q8_kx)},
     [MS_Q2_K] = {"q2_k", 256, 84,
                  {ms_dot4_q2_k_scalar, ms_dot4_q2_k_avx2, ms_dot4_q2_k_avx2},
                  {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},

@@ -150,15 +150,3 @@ void ms_dequant_bf16_avx2(const ms_matrix *m, int64_t row, float *out) {
     }
     for (int64_t i = n16; i < n; i++) out[i] = ELEM_BF16(c, i);
 }
-
-void ms_lanes_fma_avx2(float lanes[MS_LANES], const float *w, const float *x, int64_t n) {
-    __m256 a = _mm256_loadu_ps(lanes), b = _mm256_loadu_ps(lanes + 8);
-    int64_t n16 = n & ~(int64_t)15;
-    for (int64_t i = 0; i < n16; i += 16) {
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a);
-        b = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), b);
-    }
-    _mm256_storeu_ps(lanes, a);
-    _mm256_storeu_ps(lanes + 8, b);
-    for (int64_t i = n16; i < n; i++) lanes[i & (MS_LANES - 1)] = fmaf(w[i], x[i], lanes[i & (MS_LANES - 1)]);
-}

@@ -41,11 +41,3 @@ DEFINE_DEQUANT(mxfp4, avx512, load_mxfp4, ELEM_MXFP4) /* products: quant_int8*.c
 DEFINE_DOT(bf16, avx512, load_bf16, ELEM_BF16)
 DEFINE_DOT(f16, avx512, load_f16, ELEM_F16)
 DEFINE_DOT(fp8, avx512, load_fp8, ELEM_FP8)
-
-void ms_lanes_fma_avx512(float lanes[MS_LANES], const float *w, const float *x, int64_t n) {
-    __m512 a = _mm512_loadu_ps(lanes);
-    int64_t n16 = n & ~(int64_t)15;
-    for (int64_t i = 0; i < n16; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a);
-    _mm512_storeu_ps(lanes, a);
-    for (int64_t i = n16; i < n; i++) lanes[i & (MS_LANES - 1)] = fmaf(w[i], x[i], lanes[i & (MS_LANES - 1)]);
-}

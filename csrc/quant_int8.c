@@ -189,6 +189,28 @@ void ms_dot4_q2_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
     }
 }
 
+/* ---- q3_k (d * scale * (u - 4) per 16, u in 0..7) against q8_k activations ----------------------------
+ * A block's exact S = sum over its sub-blocks of scale * sum((u - 4) * a), then f = fmaf(S, d * d(x), f)
+ * in block order. */
+void ms_dot4_q3_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const ms_q8_kx *x = (const ms_q8_kx *)xp;
+    int64_t nb = m->cols / 256;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        float f = 0.0f;
+        for (int64_t b = 0; b < nb; b++, w += 110) {
+            int32_t s = 0;
+            for (int sb = 0; sb < 16; sb++) {
+                int32_t t = 0;
+                for (int e = 16 * sb; e < 16 * sb + 16; e++) t += (ms_q3_k_u(w, w + 32, e) - 4) * x[b].q[e];
+                s += ms_q3_k_scale(w + 96, sb) * t;
+            }
+            f = fmaf((float)s, h2f(w + 108) * x[b].d, f);
+        }
+        out[r] = f;
+    }
+}
+
 /* ---- compressed-tensors int4 (value = nibble - 8, one f32 scale per 32) -------------------------- */
 
 /* Activations in the weights' nibble order (low nibbles = even columns first), so that lane L takes

@@ -298,8 +298,9 @@ def fma32(a: float, b: float, c: np.float32) -> np.float32:
 def low_bit_reference(w: Weight, x: np.ndarray) -> np.ndarray:
     """The low-bit formats' canonical product against one token x [cols], from the blocks' bytes: exact
     integer sums per block against q8_k activations, then fused multiply-adds in block order (tq2_0, tq1_0:
-    S * (d * d(x)); q2_k: f with S = sum of (scale & 15) * sum(q * a) per 16, g with M = sum of (scale >> 4)
-    * sum(a) per 16 times dmin * d(x), the row f - g)."""
+    S * (d * d(x)); q3_k: S = sum of scale * sum(value * a) per 16, times d * d(x); q2_k: f with S = sum of
+    (scale & 15) * sum(q * a) per 16, g with M = sum of (scale >> 4) * sum(a) per 16 times dmin * d(x), the
+    row f - g)."""
     qa, da = q8_k_reference(x)  # [blocks, 256], [blocks]
     raw = w.data.reshape(w.rows, -1, w.fmt.block_bytes)  # [rows, blocks, bytes]
     f16 = raw[:, :, -4:].copy().view(np.float16).astype(np.float32)  # [rows, blocks, 2]: the last two halves
@@ -319,6 +320,15 @@ def low_bit_reference(w: Weight, x: np.ndarray) -> np.ndarray:
                 m = int((mn * qa[b].reshape(16, 16).sum(axis=1)).sum())
                 f = fma32(s, np.float32(d * da[b]), f)
                 g = fma32(m, np.float32(dmin * da[b]), g)
+            elif w.fmt.name == "q3_k":
+                d, sb = f16[r, b, 1], raw[r, b, 96:108].astype(np.int64)
+                g16 = np.arange(16)
+                sc = (
+                    ((sb[g16 % 8] >> (4 * (g16 // 8))) & 15) | (((sb[8 + g16 % 4] >> (2 * (g16 // 4))) & 3) << 4)
+                ) - 32
+                dl = (d * sc.astype(np.float32))[:, None]  # [16, 1]
+                v = np.rint(deq[r, b].reshape(16, 16) / np.where(dl == 0, 1, dl)).astype(np.int64)  # u - 4
+                f = fma32(int((sc * (v * qa[b].reshape(16, 16)).sum(axis=1)).sum()), np.float32(d * da[b]), f)
             else:
                 d = f16[r, b, 1]
                 trits = np.rint(deq[r, b] / (d if d != 0 else 1)).astype(np.int64)  # q - 1
@@ -327,9 +337,9 @@ def low_bit_reference(w: Weight, x: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("fmt", ["tq2_0", "tq1_0", "q2_k"])
+@pytest.mark.parametrize("fmt", ["tq2_0", "tq1_0", "q2_k", "q3_k"])
 def test_low_bit_integer_sums_against_int8_activations(isa, fmt):
-    """tq2_0, tq1_0 and q2_k multiply their packed values by int8 activations in exact integer sums, then
+    """tq2_0, tq1_0, q2_k and q3_k multiply their packed values by int8 activations in exact integer sums, then
     fused multiply-adds block after block: the result is that formula's, computed here from the blocks'
     bytes, to the bit (before, they dequantized to floats and missed it by the activations' rounding)."""
     w = make_weight(fmt, 9, 256 * 5)

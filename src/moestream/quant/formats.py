@@ -43,7 +43,7 @@ FORMATS: dict[str, Format] = {
     "q8_0": Format("q8_0", 5, 32, 34, 1e-5, act_block=32),
     "q4_k": Format("q4_k", 6, 256, 144, 1e-5, act_block=256),
     "q6_k": Format("q6_k", 7, 256, 210, 1e-5, act_block=256),
-    "q3_k": Format("q3_k", 8, 256, 110, 1e-5),
+    "q3_k": Format("q3_k", 8, 256, 110, 1e-5, act_block=256),
     "q2_k": Format("q2_k", 9, 256, 84, 1e-5, act_block=256),
     "tq2_0": Format("tq2_0", 10, 256, 66, 1e-5, act_block=256),  # ternary: exact integer sums, as q4_k
     "tq1_0": Format("tq1_0", 11, 256, 54, 1e-5, act_block=256),
