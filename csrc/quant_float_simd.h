@@ -30,6 +30,11 @@ static inline __m128i mxfp4_x2_int8(rowctx c, int64_t i) {
     return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)ms_e2m1_x2_lut), nib);
 }
 
+/* Float kernels against one token: four rows at once; a 4-row tile of at most this many bytes prefetches
+ * the next tile while it runs (one thread from memory, bf16 7168x2048: 21 -> 33 GB/s). Wider tiles do not:
+ * the next tile is then too far ahead for L1 (f32 4096x14336: 37-39 -> 34 GB/s with it). */
+#define MS_FLOAT_PREFETCH 24576
+
 #define DEFINE_DOT_ONLY(NAME, ISA, LOADFN, ELEMFN)                                                       \
     void ms_dot4_##NAME##_##ISA(const ms_matrix *m, int64_t row0, int nrows, const float *x,         \
                                   float *out) {                                                     \
@@ -40,7 +45,13 @@ static inline __m128i mxfp4_x2_int8(rowctx c, int64_t i) {
                    c3 = row_at(m, row0 + 3);                                                        \
             VEC a0[NV], a1[NV], a2[NV], a3[NV];                                                     \
             for (int v = 0; v < NV; v++) a0[v] = a1[v] = a2[v] = a3[v] = VZERO();                  \
+            /* a tile of up to 24 KB asks for the next one (its 4 rows contiguous) in address order, */ \
+            /* eb lines a step; wider tiles leave it to the hardware prefetcher (MS_FLOAT_PREFETCH) */ \
+            const uint8_t *next = m->data + (row0 + 4) * m->row_bytes;                               \
+            const int64_t eb = 4 * m->row_bytes <= MS_FLOAT_PREFETCH ? m->row_bytes / n : 0;         \
             for (int64_t i = 0; i < n16; i += MS_LANES) {                                           \
+                for (int64_t o = 0; o < 64 * eb; o += 64)                                           \
+                    _mm_prefetch((const char *)(next + 4 * eb * i + o), _MM_HINT_T0);             \
                 VEC xv[NV], w[NV];                                                                  \
                 for (int v = 0; v < NV; v++) xv[v] = VLOADX(x + i + v * VW);                        \
                 LOADFN(c0, i, w);                                                                   \
