@@ -100,6 +100,16 @@ static inline int ms_tq1_trit(uint8_t v, int j) {
     return (int)(((uint16_t)t * 3) >> 8);
 }
 
+/* The 2-bit value (0..3) of element e (0..255) of a 256-block's 64 bytes b, laid out as GGUF's tq2_0,
+ * q2_k and q3_k lay them out: bytes 32 (e / 128) + e % 32, bits 2 ((e % 128) / 32). It is tq2_0's stored
+ * value q (the weight is d * (q - 1)); ms_tq1_q is tq1_0's. */
+static inline int ms_tq2_q(const uint8_t *b, int e) { return (b[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3; }
+static inline int ms_tq1_q(const uint8_t *b, int e) {
+    if (e < 160) return ms_tq1_trit(b[e % 32], e / 32);
+    if (e < 240) return ms_tq1_trit(b[32 + (e - 160) % 16], (e - 160) / 16);
+    return ms_tq1_trit(b[48 + (e - 240) % 4], (e - 240) / 4);
+}
+
 /* q3_k: the signed 6-bit scale of sub-block g (0..15) from the block's 12 scale bytes s, and element e's
  * 3-bit value plus 4 (0..7: the 2 low bits from qs, 4 when the hmask bit is set; the weight is d * scale *
  * (u - 4)). */
@@ -107,16 +117,7 @@ static inline int ms_q3_k_scale(const uint8_t *s, int g) {
     return (((s[g % 8] >> (4 * (g / 8))) & 0x0F) | (((s[8 + g % 4] >> (2 * (g / 4))) & 0x03) << 4)) - 32;
 }
 static inline int ms_q3_k_u(const uint8_t *hm, const uint8_t *qs, int e) {
-    return ((qs[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3) + 4 * ((hm[e % 32] >> (e / 32)) & 1);
-}
-
-/* The stored value q (0..2; the weight is d * (q - 1)) of element e (0..255) of a tq2_0 block and of a
- * tq1_0 block. */
-static inline int ms_tq2_q(const uint8_t *b, int e) { return (b[32 * (e / 128) + e % 32] >> (((e % 128) / 32) * 2)) & 3; }
-static inline int ms_tq1_q(const uint8_t *b, int e) {
-    if (e < 160) return ms_tq1_trit(b[e % 32], e / 32);
-    if (e < 240) return ms_tq1_trit(b[32 + (e - 160) % 16], (e - 160) / 16);
-    return ms_tq1_trit(b[48 + (e - 240) % 4], (e - 240) / 4);
+    return ms_tq2_q(qs, e) + 4 * ((hm[e % 32] >> (e / 32)) & 1);
 }
 
 static inline const float *ms_fp8_scale_row(const ms_matrix *m, int64_t row) {

@@ -26,18 +26,15 @@ static inline void load_f16(rowctx c, int64_t i, __m512 w[1]) {
     w[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)c.p + i)));
 }
 
-/* As the AVX2 load_fp8: through f16 bits, the table for a run holding a NaN byte. */
+/* Through f16 bits, the table for a run holding a NaN byte (quant_float_simd.h). */
 static inline void load_fp8(rowctx c, int64_t i, __m512 w[1]) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)(c.p + i)), low7 = _mm_set1_epi8(0x7F);
+    const __m128i b = _mm_loadu_si128((const __m128i *)(c.p + i));
     const __m512 s = _mm512_set1_ps(c.s[i / 128]);
-    if (_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(b, low7), low7))) {
+    if (fp8_has_nan(b)) {
         w[0] = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), ms_fp8_e4m3_lut, 4), s);
         return;
     }
-    const __m256i b16 = _mm256_cvtepu8_epi16(b);
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b16, _mm256_set1_epi16(0x80)), 8),
-                                      _mm256_slli_epi16(_mm256_and_si256(b16, _mm256_set1_epi16(0x7F)), 7));
-    w[0] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f)), s);
+    w[0] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(fp8_f16_bits(b)), _mm512_set1_ps(256.0f)), s);
 }
 
 static inline void load_mxfp4(rowctx c, int64_t i, __m512 w[1]) {

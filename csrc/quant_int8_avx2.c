@@ -549,22 +549,12 @@ static inline int32_t sum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-/* sum(a) over a q8_k block, from its eight bsums. */
-static inline int32_t q8k_sum(const ms_q8_kx *x) {
-    __m128i s = _mm_madd_epi16(_mm_loadu_si128((const __m128i *)x->bsums), _mm_set1_epi16(1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-
-/* How far ahead the ternary kernels ask for a row's bytes: the next tile, at most 8 KB on (as q6_k). */
-static inline int64_t ternary_ahead(const ms_matrix *m) { return 4 * m->row_bytes < 8192 ? 4 * m->row_bytes : 8192; }
-
 /* tq2_0: each 32 bytes of 2-bit values shifted by 0, 2, 4, 6 give four runs of 32 values (0..2), each
  * multiplied by maddubs against its 32 activations (int16 pair sums, |.| <= 508; eight of them added in
  * int16, |.| <= 4064), then widened by madd. */
 void ms_dot4_tq2_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = ternary_ahead(m);
+    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi16(1);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
@@ -603,7 +593,7 @@ static inline __m256i times3(__m256i t) { return _mm256_add_epi8(t, _mm256_add_e
  * thread: 4.3 GB/s with the trits made by 16-bit multiplies, 5.7 with byte adds and compares. */
 void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = ternary_ahead(m);
+    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
     const __m256i one = _mm256_set1_epi16(1);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
@@ -647,7 +637,7 @@ void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float
  * scales reordered even ones first as for q6_k), and the mins by madd against the 16 bsums16. */
 void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = ternary_ahead(m);
+    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -695,7 +685,7 @@ static inline __m128i q3k_scales(const uint8_t *s) {
  * the -4 comes off as 4 * sum of scale * sum(a) per 16 (the bsums16). */
 void ms_dot4_q3_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = ternary_ahead(m);
+    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int r = 0; r < nrows; r++) {

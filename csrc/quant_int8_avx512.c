@@ -480,11 +480,7 @@ void ms_dot4_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
                                     0x0001000100010001LL * (4 * k + 3), 0x0001000100010001LL * (4 * k + 3));
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
     const __m512i sh01 = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), sh23 = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
-    /* The bytes four rows on (the next tile), but no more than 8 KB ahead: a token's q6_k activations take
-     * 576 bytes per 256 columns (32 KB at 14336), and with them and a farther window the lines prefetched
-     * leave L1 before they are read (one thread, 4096x14336 from memory: 47 KB ahead 20.5 GB/s, 10-16 KB
-     * 23-25, 8 KB 30, 6 KB 31; 3584x3072, 10 KB -> 8 KB: 87-89% -> 91-93% of the read). */
-    const int64_t ahead = 4 * m->row_bytes < 8192 ? 4 * m->row_bytes : 8192;
+    const int64_t ahead = next_tile_ahead(m);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 f = _mm256_setzero_ps();
@@ -561,7 +557,7 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
  * (high half), by vpdpbusd into exact int32 lanes. Without VNNI the AVX2 kernel. */
 static VNNI void tq2_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = 4 * m->row_bytes < 8192 ? 4 * m->row_bytes : 8192;
+    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
     const __m512i m3 = _mm512_set1_epi8(3);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
@@ -577,9 +573,7 @@ static VNNI void tq2_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const f
                     _mm256_loadu_si256((const __m256i *)(x[b].q + 128 + 32 * l)), 1);
                 acc = _mm512_dpbusd_epi32(acc, q, a);
             }
-            int32_t sa = 0;
-            for (int j = 0; j < 8; j++) sa += x[b].bsums[j];
-            const int32_t s = _mm512_reduce_add_epi32(acc) - sa;
+            const int32_t s = _mm512_reduce_add_epi32(acc) - q8k_sum(&x[b]);
             f = fmaf((float)s, h2f(w + 64) * x[b].d, f);
         }
         out[r] = f;
