@@ -254,7 +254,7 @@ void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
  * |x - q d| <= 2^-20 of the block's max (float accuracy for a dot product), the integer q written as
  * three int8 digits (quant_int8.h). Doubled E2M1 values are small integers (|k| <= 12), so a lane's sum
  * S = sum k q over its eight positions is exact in int32 (|S| < 2^27); the SIMD kernels get it as
- * ((A0 * 2^7 + A1) * 2^7 + A2) - off from the digit dot products A of the unsigned k + 12.
+ * ((A0 * 2^7 + A1) * 2^7 + A2) + noff from the digit dot products A of the unsigned k + 12.
  * Canonical order: lane L (0..3) of block b holds positions 4L..4L+3 and 16+4L..16+4L+3 of the nibble
  * order (a low-nibble lane and its high-nibble twin, summed in the integer); it is added as
  * acc[4 * (b % 4) + L] = fma((float)S, dd, acc[...]) with dd = 2^(s-128) * d (a power of two), in block
@@ -272,7 +272,7 @@ void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
             amax = fmaxf(amax, fabsf(v[i]));
             finite &= fabsf(v[i]) <= FLT_MAX;
         }
-        for (int L = 0; L < 4; L++) o.off[4 * b + L] = 0;
+        for (int L = 0; L < 4; L++) o.noff[4 * b + L] = 0;
         if (!finite || amax == 0.0f) { /* zeros: all zero; inf/nan anywhere: the block's sums become nan */
             for (int j = 0; j < 32; j++) {
                 int64_t at = ms_mxfp4x_pos(nb, b, j);
@@ -295,7 +295,7 @@ void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp) {
             o.p0[at] = (int8_t)d0;
             o.p1[at] = (int8_t)d1;
             o.p2[at] = (int8_t)d2;
-            o.off[4 * b + (j % 16) / 4] += 12 * q;
+            o.noff[4 * b + (j % 16) / 4] -= 12 * q;
         }
     }
 }

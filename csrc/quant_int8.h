@@ -29,8 +29,9 @@ _Static_assert(sizeof(ms_q8_kx) % 64 == 0 && sizeof(ms_q6_kx) % 64 == 0, "q8_k r
  * the token): x ~ q * d[b] with the integer q (|q| <= 2^20) split into three int8 digits
  * q = p0 * 2^14 + p1 * 2^7 + p2 (each in -64..64) at the positions of the weights' nibble order
  * ([0..15]: the block's even columns, the low nibbles; [16..31]: the odd ones, the high nibbles), and
- * off[4b + L] = 12 * (sum of q over positions 4L..4L+3 and 16+4L..16+4L+3), lane L's share of the +12 that
- * makes the doubled E2M1 values unsigned (0..24) for maddubs / vpdpbusd. d[b] is a power of two (0: zero
+ * noff[4b + L] = -12 * (sum of q over positions 4L..4L+3 and 16+4L..16+4L+3), what lane L's share of the
+ * +12 that makes the doubled E2M1 values unsigned (0..24) for maddubs / vpdpbusd takes off (negated, so
+ * that it starts a vpdpbusd chain as it is loaded). d[b] is a power of two (0: zero
  * block; NaN: inf/NaN). The digits come in groups of four blocks (the last may be shorter, n blocks): a
  * group's low halves (positions 0..15 of each block, 16 bytes each) and then its high halves, so that the
  * 64 weight bytes of four blocks, split into low and high nibbles, meet their activations in two 512-bit
@@ -38,7 +39,7 @@ _Static_assert(sizeof(ms_q8_kx) % 64 == 0 && sizeof(ms_q6_kx) % 64 == 0, "q8_k r
 #define MS_MXFP4X_BYTES 116
 typedef struct {
     int8_t *p0, *p1, *p2; /* [nb * 32] */
-    int32_t *off;         /* [nb * 4] */
+    int32_t *noff;        /* [nb * 4] */
     float *d;             /* [nb] */
 } ms_mxfp4x;
 

@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) void mx_rows_avx2(const ms_matrix *
         }
         for (int h = 0; h < 2; h++) {
             const int64_t b = b0 + 2 * h, lo = 32 * b0 + 32 * h, hi = lo + 64;
-            const __m256i off = _mm256_loadu_si256((const __m256i *)(x->off + 4 * b));
+            const __m256i noff = _mm256_loadu_si256((const __m256i *)(x->noff + 4 * b));
             for (int r = 0; r < R; r++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(w[r] + 16 * b));
                 __m256i ul = _mm256_shuffle_epi8(ulut, _mm256_and_si256(v, m4));
@@ -206,14 +206,14 @@ static inline __attribute__((always_inline)) void mx_rows_avx2(const ms_matrix *
                 __m256i t = mx_digit(ul, uh, x->p0 + lo, x->p0 + hi, 16384);
                 t = _mm256_add_epi32(t, mx_digit(ul, uh, x->p1 + lo, x->p1 + hi, 128));
                 t = _mm256_add_epi32(t, mx_digit(ul, uh, x->p2 + lo, x->p2 + hi, 1));
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t, off)), d, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(t, noff)), d, acc[r][h]);
             }
         }
     }
     const int n = (int)(nb - b0);
     for (int c = 0; c < n; c++) { /* the shorter last group */
         const int64_t b = b0 + c, lo = 32 * b0 + 16 * c, hi = 32 * b0 + 16 * n + 16 * c;
-        const __m128i off = _mm_loadu_si128((const __m128i *)(x->off + 4 * b));
+        const __m128i noff = _mm_loadu_si128((const __m128i *)(x->noff + 4 * b));
         for (int r = 0; r < R; r++) {
             __m128i v = _mm_loadu_si128((const __m128i *)(w[r] + 16 * b));
             __m128i ul = _mm_shuffle_epi8(_mm256_castsi256_si128(ulut), _mm_and_si128(v, _mm256_castsi256_si128(m4)));
@@ -222,7 +222,7 @@ static inline __attribute__((always_inline)) void mx_rows_avx2(const ms_matrix *
             __m128i t = mx_digit1(ul, uh, x->p0 + lo, x->p0 + hi, 16384);
             t = _mm_add_epi32(t, mx_digit1(ul, uh, x->p1 + lo, x->p1 + hi, 128));
             t = _mm_add_epi32(t, mx_digit1(ul, uh, x->p2 + lo, x->p2 + hi, 1));
-            __m128 tf = _mm_cvtepi32_ps(_mm_sub_epi32(t, off));
+            __m128 tf = _mm_cvtepi32_ps(_mm_add_epi32(t, noff));
             __m256 d = _mm256_set1_ps(ms_e8m0_half_lut[s[r][b]] * x->d[b]);
             __m256 sum = _mm256_fmadd_ps(_mm256_set_m128(tf, tf), d, acc[r][c / 2]);
             acc[r][c / 2] = c % 2 == 0 ? _mm256_blend_ps(acc[r][c / 2], sum, 0x0F)
@@ -494,7 +494,7 @@ void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp) {
             mx_store_halves(o.p0, 1, ms_mxfp4x_pos(nb, b, 0), ms_mxfp4x_pos(nb, b, 16), z);
             mx_store_halves(o.p1, 1, ms_mxfp4x_pos(nb, b, 0), ms_mxfp4x_pos(nb, b, 16), z);
             mx_store_halves(o.p2, 1, ms_mxfp4x_pos(nb, b, 0), ms_mxfp4x_pos(nb, b, 16), z);
-            _mm_storeu_si128((__m128i *)(o.off + 4 * b), _mm256_castsi256_si128(z));
+            _mm_storeu_si128((__m128i *)(o.noff + 4 * b), _mm256_castsi256_si128(z));
             o.d[b] = finite ? 0.0f : NAN;
             continue;
         }
@@ -519,12 +519,12 @@ void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp) {
         mx_store_halves(o.p0, 1, lo, hi, p0);
         mx_store_halves(o.p1, 1, lo, hi, p1);
         mx_store_halves(o.p2, 1, lo, hi, p2);
-        /* lane sums of q from its digits: 12 * (2^14 sum p0 + 2^7 sum p1 + sum p2), exact in int32 */
-        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p0), _mm256_set1_epi16(16384 * 12 / 16));
+        /* lane sums of q from its digits, negated: -12 * (2^14 sum p0 + 2^7 sum p1 + sum p2), exact in int32 */
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p0), _mm256_set1_epi16(-16384 * 12 / 16));
         s = _mm256_slli_epi32(s, 4);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p1), _mm256_set1_epi16(128 * 12)));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p2), _mm256_set1_epi16(12)));
-        _mm_storeu_si128((__m128i *)(o.off + 4 * b), /* lane L and its high-nibble twin */
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p1), _mm256_set1_epi16(-128 * 12)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, p2), _mm256_set1_epi16(-12)));
+        _mm_storeu_si128((__m128i *)(o.noff + 4 * b), /* lane L and its high-nibble twin */
                          _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
     }
 }
