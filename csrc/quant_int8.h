@@ -77,6 +77,13 @@ void ms_q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]);
 float ms_lanes8_reduce(const float f[8]); /* (f0+f4 + f2+f6) + (f1+f5 + f3+f7) */
 float ms_q4_k_min_reduce(const float fmin[4]); /* (m0 + m1) + (m2 + m3) */
 
+/* An empty asm on a vector (any vector register: ymm or, in the AVX-512 kernels, zmm0-31) that GCC must
+ * take as changed there. On a running integer sum, it keeps each addition where it is written (the sums
+ * are exact in any order, and GCC regroups them into a tree whose partial products spill to the stack);
+ * on a loaded vector, it keeps the one load (mxfp4: GCC otherwise spilled or loaded again two of the four
+ * rows' weight vectors, a load from memory in each of its uses). */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
+
 /* How many rows ahead the one-row-stream kernels (int4, mxfp4) prefetch: at least min_rows, and at least
  * 16 KB, in steps of `step` rows (the rows a pass takes together). */
 static inline int64_t prefetch_rows(int64_t row_bytes, int64_t step, int64_t min_rows) {

@@ -69,11 +69,6 @@ static inline void q4k_scales_mins(const uint8_t *s, __m128i *sc, __m128i *mn) {
     *mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)(mn_lo | mn_hi << 32)));
 }
 
-/* The integer sums are exact in any order, and GCC regroups them into a tree whose partial products spill
- * to the stack; an empty asm on the running sum keeps each addition where it is written (any vector
- * register: ymm or, in the AVX-512 kernels, zmm0-31). */
-#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
-
 /* q4_k against several tokens: each weight block of the tile is unpacked once (nibbles split, scales
  * widened, super-scales converted) into a per-thread buffer, then every token runs over the unpacked
  * tile with exactly the arithmetic of ms_dot4_q4_k_avx2. 320 bytes a block, so that the tile of a

@@ -49,7 +49,10 @@ static inline float finish4(__m512 acc) {
  * row's accumulator (the four chains of the canonical order), scaled by its own product.
  *
  * mx_group is one group of g blocks (4, or fewer in the last group) at block b of R rows, k = b - b0 in its
- * tile of 16; mx_rows runs the tiles. */
+ * tile of 16; mx_rows runs the tiles. Each row's weights are loaded as its turn comes, once: loaded for
+ * all R rows first, two of four were spilled to the stack and the others loaded twice (the shift's
+ * operand from memory); four rows at once in cache, one thread, 7.2 -> 5.9 cycles a row's group of four
+ * blocks, and prefill 7-13% faster. */
 static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8_t *const w[4], const int R, int64_t b,
                                                                 int k, int g, int64_t ahead, const ms_mxfp4x *x,
                                                                 const __m512i ulut, const __m512 dd[4], __m512 acc[4]) {
@@ -62,14 +65,13 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8
      * 4096x14336, read ~45 GB/s) and one stream at 86-91%; one thread 69% -> 82% */
     for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[0] + ahead + R * 16 * b + 64 * r), _MM_HINT_T0);
     int8_t *const q[3] = {x->p0 + 32 * b, x->p1 + 32 * b, x->p2 + 32 * b};
-    __m512i p[6], noff, v[4];
+    __m512i p[6], noff;
     if (g == 4) {
         for (int i = 0; i < 3; i++) {
             p[2 * i] = _mm512_loadu_si512(q[i]);
             p[2 * i + 1] = _mm512_loadu_si512(q[i] + 64);
         }
         noff = _mm512_loadu_si512(x->noff + 4 * b);
-        for (int r = 0; r < R; r++) v[r] = _mm512_loadu_si512(w[r] + 16 * b);
     } else { /* the last, shorter group: its halves are 16 g bytes long */
         const __mmask64 kb = ((__mmask64)1 << (16 * g)) - 1;
         for (int i = 0; i < 3; i++) {
@@ -77,12 +79,13 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8
             p[2 * i + 1] = _mm512_maskz_loadu_epi8(kb, q[i] + 16 * g);
         }
         noff = _mm512_maskz_loadu_epi32((__mmask16)((1u << (4 * g)) - 1), x->noff + 4 * b);
-        for (int r = 0; r < R; r++) v[r] = _mm512_maskz_loadu_epi8(kb, w[r] + 16 * b);
     }
     const __mmask16 lanes = g == 4 ? (__mmask16)0xFFFF : (__mmask16)((1u << (4 * g)) - 1);
     for (int r = 0; r < R; r++) {
-        __m512i ul, uh;
-        mx_nibbles(v[r], ulut, &ul, &uh);
+        __m512i ul, uh, v = g == 4 ? _mm512_loadu_si512(w[r] + 16 * b)
+                                   : _mm512_maskz_loadu_epi8(((__mmask64)1 << (16 * g)) - 1, w[r] + 16 * b);
+        KEEP_IN_REGISTER(v);
+        mx_nibbles(v, ulut, &ul, &uh);
         __m512 d = _mm512_permutexvar_ps(idx, dd[r]);
         acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(mx_quad(ul, uh, p, noff)), d, acc[r], lanes);
     }
