@@ -194,6 +194,7 @@ void ms_dot4_q2_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const floa
 void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_tq1_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_dot4_tq1_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
 void ms_prep_x_int4(const float *x, int64_t n, float *xp);
 void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp);
 void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out);

@@ -191,7 +191,7 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_Q3_K] = Q8K_ROW(q3_k, 110, ms_dot4_q3_k_avx2),
     [MS_Q2_K] = Q8K_ROW(q2_k, 84, ms_dot4_q2_k_avx2),
     [MS_TQ2_0] = Q8K_ROW(tq2_0, 66, ms_dot4_tq2_0_avx512),
-    [MS_TQ1_0] = Q8K_ROW(tq1_0, 54, ms_dot4_tq1_0_avx2),
+    [MS_TQ1_0] = Q8K_ROW(tq1_0, 54, ms_dot4_tq1_0_avx512),
     [MS_INT4_G32] = {"int4", 32, 16,
                      {ms_dot4_int4_scalar, ms_dot4_int4_avx2, ms_dot4_int4_avx512},
                      {ms_dequant_int4, ms_dequant_int4, ms_dequant_int4},

@@ -618,11 +618,7 @@ void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float
                 t16 = times3(times3(t16));
             }
             /* qh: byte k's trit j at 4j + k, against activations 240..255 */
-            uint32_t qh4;
-            memcpy(&qh4, w + 48, 4);
-            const __m256i h0 = _mm256_set1_epi32((int)qh4), h1 = times3(h0), h2 = times3(h1), h3 = times3(h2);
-            const __m256i th =
-                _mm256_blend_epi32(_mm256_blend_epi32(h0, h1, 0x02), _mm256_blend_epi32(h2, h3, 0x08), 0x0C);
+            const __m256i th = _mm256_zextsi128_si256(tq1_qh_bytes(w));
             const __m256i ah = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(a + 240)));
             acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(trit256(th), ah));
             const int32_t s = sum_epi32(_mm256_madd_epi16(acc, one)) - q8k_sum(&x[b]);

@@ -30,6 +30,16 @@ static inline int32_t q8k_sum(const ms_q8_kx *x) {
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
+/* tq1_0's qh (the block's bytes 48..51) as the 16 bytes whose trits 0 (t > 85 plus t > 170) are elements
+ * 240..255: byte 4j + k is qh[k] * 3^j mod 256 (trit j of qh byte k is element 240 + 4j + k). */
+static inline __m128i tq1_qh_bytes(const uint8_t *w) {
+    uint32_t qh4;
+    memcpy(&qh4, w + 48, 4);
+    const __m128i h0 = _mm_set1_epi32((int)qh4), h1 = _mm_add_epi8(h0, _mm_add_epi8(h0, h0));
+    const __m128i h2 = _mm_add_epi8(h1, _mm_add_epi8(h1, h1)), h3 = _mm_add_epi8(h2, _mm_add_epi8(h2, h2));
+    return _mm_blend_epi32(_mm_blend_epi32(h0, h1, 0x2), _mm_blend_epi32(h2, h3, 0x8), 0xC);
+}
+
 /* The end of a q4_k block against one token (w: the block, acc: its exact lane sums): the lanes times
  * d * d(x) added to f, and dmin * d(x) times the 4 exact sums of mins * bsums (sub-blocks 2l, 2l + 1) to
  * the row's 4 min lanes. d and dmin are converted together. */
