@@ -542,13 +542,6 @@ void ms_prep_x_q6_k_avx2(const float *x, int64_t n, float *xp) {
 
 /* ---- tq2_0 and tq1_0 against q8_k activations: ms_dot4_tq2_0_scalar's exact block sums and chain ---- */
 
-/* The sum of the eight int32 lanes of v (exact). */
-static inline int32_t sum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-
 /* tq2_0: each 32 bytes of 2-bit values shifted by 0, 2, 4, 6 give four runs of 32 values (0..2), each
  * multiplied by maddubs against its 32 activations (int16 pair sums, |.| <= 508; eight of them added in
  * int16, |.| <= 4064), then widened by madd. */
@@ -662,18 +655,6 @@ void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
         }
         out[r] = f - g;
     }
-}
-
-/* q3_k's 16 signed scales (ms_q3_k_scale) from its 12 scale bytes: the low nibbles of bytes 0..7 then
- * their high nibbles, each with 2 bits of bytes 8..11 (shifted by 0, 2, 4, 6 for the four groups of 4). */
-static inline __m128i q3k_scales(const uint8_t *s) {
-    /* the 16 bytes ending at the block's end (2 before the scales, d after them), moved down by 2: a direct
-     * load (a copy through the stack stalled every block on store forwarding: in cache 5.3 -> 12.2 GB/s) */
-    const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(s - 2)), 2), low4 = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
-    const __m128i top = _mm_shuffle_epi32(_mm_srli_si128(v, 8), 0); /* bytes 8..11 in each 32-bit lane */
-    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(top, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
-    return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
 }
 
 /* q3_k (ms_dot4_q3_k_scalar's sums): each run of 32 values u = (2 low bits, as q2_k's) | (the hmask bit
