@@ -30,7 +30,7 @@ static inline void load_f16(rowctx c, int64_t i, __m512 w[1]) {
 static inline void load_fp8(rowctx c, int64_t i, __m512 w[1]) {
     const __m128i b = _mm_loadu_si128((const __m128i *)(c.p + i));
     const __m512 s = _mm512_set1_ps(c.s[i / 128]);
-    if (_mm_cmpeq_epi8_mask(_mm_or_si128(b, _mm_set1_epi8((char)0x80)), _mm_set1_epi8((char)0xFF))) { /* NaN */
+    if (fp8_has_nan(b)) {
         w[0] = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), ms_fp8_e4m3_lut, 4), s);
         return;
     }

@@ -545,29 +545,22 @@ void ms_prep_x_q6_k_avx2(const float *x, int64_t n, float *xp) {
 /* tq2_0: each 32 bytes of 2-bit values shifted by 0, 2, 4, 6 give four runs of 32 values (0..2), each
  * multiplied by maddubs against its 32 activations (int16 pair sums, |.| <= 508; eight of them added in
  * int16, |.| <= 4064), then widened by madd. */
-void ms_dot4_tq2_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
-    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi16(1);
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f = 0.0f;
-        for (int64_t b = 0; b < nb; b++, w += 66) {
-            prefetch_ahead(w, ahead, 66);
-            __m256i acc = _mm256_setzero_si256();
-            for (int j = 0; j < 2; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
-                for (int l = 0; l < 4; l++) {
-                    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * l), m3);
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(x[b].q + 128 * j + 32 * l));
-                    acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, a));
-                }
-            }
-            const int32_t s = sum_epi32(_mm256_madd_epi16(acc, one)) - q8k_sum(&x[b]);
-            f = fmaf((float)s, h2f(w + 64) * x[b].d, f);
+static inline int32_t tq2_0_block(const uint8_t *w, const ms_q8_kx *x) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 2; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
+        for (int l = 0; l < 4; l++) {
+            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * l), m3);
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(x->q + 128 * j + 32 * l));
+            acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, a));
         }
-        out[r] = f;
     }
+    return sum_epi32(_mm256_madd_epi16(acc, _mm256_set1_epi16(1))) - q8k_sum(x);
+}
+
+void ms_dot4_tq2_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    Q8K_ROWS(66, 64, tq2_0_block(w, xb));
 }
 
 /* tq1_0's trits: byte v's trit j is floor(3 t / 256) for t the low byte of v * 3^j, that is [t > 85] +
@@ -584,41 +577,33 @@ static inline __m256i times3(__m256i t) { return _mm256_add_epi8(t, _mm256_add_e
  * 16, two at a time (the high half one trit ahead); the last 4 (qh), four runs of 4 together (byte k of
  * run j at 4j + k); maddubs against the activations as for tq2_0 (|.| <= 5588 in int16). In cache, one
  * thread: 4.3 GB/s with the trits made by 16-bit multiplies, 5.7 with byte adds and compares. */
-void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
-    const __m256i one = _mm256_set1_epi16(1);
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f = 0.0f;
-        for (int64_t b = 0; b < nb; b++, w += 54) {
-            prefetch_ahead(w, ahead, 54);
-            const int8_t *a = x[b].q;
-            __m256i t = _mm256_loadu_si256((const __m256i *)w);
-            /* bytes 32..47 in the low half, and in the high half the same one step on (trit j + 1) */
-            const __m128i v16 = _mm_loadu_si128((const __m128i *)(w + 32));
-            __m256i t16 = _mm256_set_m128i(_mm256_castsi256_si128(times3(_mm256_castsi128_si256(v16))), v16);
-            __m256i acc = _mm256_setzero_si256();
-            for (int j = 0; j < 5; j++) {
-                const __m256i a32 = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
-                acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(trit256(t), a32));
-                t = times3(t);
-            }
-            for (int j = 0; j < 5; j += 2) { /* trits j and j + 1 of bytes 32..47: activations 160 + 16 j.. */
-                const __m256i a16 = j < 4 ? _mm256_loadu_si256((const __m256i *)(a + 160 + 16 * j))
-                                          : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(a + 224)));
-                acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(trit256(t16), a16));
-                t16 = times3(times3(t16));
-            }
-            /* qh: byte k's trit j at 4j + k, against activations 240..255 */
-            const __m256i th = _mm256_zextsi128_si256(tq1_qh_bytes(w));
-            const __m256i ah = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(a + 240)));
-            acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(trit256(th), ah));
-            const int32_t s = sum_epi32(_mm256_madd_epi16(acc, one)) - q8k_sum(&x[b]);
-            f = fmaf((float)s, h2f(w + 52) * x[b].d, f);
-        }
-        out[r] = f;
+static inline int32_t tq1_0_block(const uint8_t *w, const ms_q8_kx *x) {
+    const int8_t *a = x->q;
+    __m256i t = _mm256_loadu_si256((const __m256i *)w);
+    /* bytes 32..47 in the low half, and in the high half the same one step on (trit j + 1) */
+    const __m128i v16 = _mm_loadu_si128((const __m128i *)(w + 32));
+    __m256i t16 = _mm256_set_m128i(_mm256_castsi256_si128(times3(_mm256_castsi128_si256(v16))), v16);
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 5; j++) {
+        const __m256i a32 = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
+        acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(trit256(t), a32));
+        t = times3(t);
     }
+    for (int j = 0; j < 5; j += 2) { /* trits j and j + 1 of bytes 32..47: activations 160 + 16 j.. */
+        const __m256i a16 = j < 4 ? _mm256_loadu_si256((const __m256i *)(a + 160 + 16 * j))
+                                  : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(a + 224)));
+        acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(trit256(t16), a16));
+        t16 = times3(times3(t16));
+    }
+    /* qh: byte k's trit j at 4j + k, against activations 240..255 */
+    const __m256i th = _mm256_zextsi128_si256(tq1_qh_bytes(w));
+    const __m256i ah = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(a + 240)));
+    acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(trit256(th), ah));
+    return sum_epi32(_mm256_madd_epi16(acc, _mm256_set1_epi16(1))) - q8k_sum(x);
+}
+
+void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    Q8K_ROWS(54, 52, tq1_0_block(w, xb));
 }
 
 /* q2_k (ms_dot4_q2_k_scalar's sums): the 2-bit values lie as tq2_0's, each run of 32 being sub-blocks 2c
@@ -660,34 +645,28 @@ void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
 /* q3_k (ms_dot4_q3_k_scalar's sums): each run of 32 values u = (2 low bits, as q2_k's) | (the hmask bit
  * << 2), 0..7, by maddubs against the activations (|.| <= 1778) and madd by the sub-blocks' signed scales;
  * the -4 comes off as 4 * sum of scale * sum(a) per 16 (the bsums16). */
-void ms_dot4_q3_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
+static inline int32_t q3_k_block(const uint8_t *w, const ms_q8_kx *x) {
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f = 0.0f;
-        for (int64_t b = 0; b < nb; b++, w += 110) {
-            prefetch_ahead(w, ahead, 110);
-            const __m128i s8 = q3k_scales(w + 96);
-            const __m256i scp = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, even_odd)), scn = _mm256_cvtepi8_epi16(s8);
-            const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
-            __m256i acc = _mm256_setzero_si256();
-            for (int n = 0; n < 2; n++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * n));
-                for (int j = 0; j < 4; j++) {
-                    const int c = 4 * n + j;
-                    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, c), one);
-                    const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m3),
-                                                      _mm256_slli_epi16(h, 2));
-                    const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(x[b].q + 32 * c)));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pick_word(scp, c)));
-                }
-            }
-            const int32_t bs = sum_epi32(_mm256_madd_epi16(scn, _mm256_loadu_si256((const __m256i *)x[b].bsums16)));
-            f = fmaf((float)(sum_epi32(acc) - 4 * bs), h2f(w + 108) * x[b].d, f);
+    const __m128i s8 = q3k_scales(w + 96);
+    const __m256i scp = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, even_odd)), scn = _mm256_cvtepi8_epi16(s8);
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
+    __m256i acc = _mm256_setzero_si256();
+    for (int n = 0; n < 2; n++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * n));
+        for (int j = 0; j < 4; j++) {
+            const int c = 4 * n + j;
+            const __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, c), one);
+            const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m3),
+                                              _mm256_slli_epi16(h, 2));
+            const __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(x->q + 32 * c)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pick_word(scp, c)));
         }
-        out[r] = f;
     }
+    const int32_t bs = sum_epi32(_mm256_madd_epi16(scn, _mm256_loadu_si256((const __m256i *)x->bsums16)));
+    return sum_epi32(acc) - 4 * bs;
+}
+
+void ms_dot4_q3_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    Q8K_ROWS(110, 108, q3_k_block(w, xb));
 }

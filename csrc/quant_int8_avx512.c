@@ -561,34 +561,6 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
     }
 }
 
-/* tq2_0 with VNNI (ms_dot4_tq2_0_scalar's sums): the block's 64 bytes of 2-bit values in one register,
- * shifted by 0, 2, 4, 6, each run of 64 values against activations 32l..32l+31 (low half) and 128 + 32l..
- * (high half), by vpdpbusd into exact int32 lanes. Without VNNI the AVX2 kernel. */
-static VNNI void tq2_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
-    const __m512i m3 = _mm512_set1_epi8(3);
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f = 0.0f;
-        for (int64_t b = 0; b < nb; b++, w += 66) {
-            prefetch_ahead(w, ahead, 66);
-            const __m512i v = _mm512_loadu_si512(w);
-            __m512i acc = _mm512_setzero_si512();
-            for (int l = 0; l < 4; l++) {
-                const __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 2 * l), m3);
-                const __m512i a = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x[b].q + 32 * l))),
-                    _mm256_loadu_si256((const __m256i *)(x[b].q + 128 + 32 * l)), 1);
-                acc = _mm512_dpbusd_epi32(acc, q, a);
-            }
-            const int32_t s = _mm512_reduce_add_epi32(acc) - q8k_sum(&x[b]);
-            f = fmaf((float)s, h2f(w + 64) * x[b].d, f);
-        }
-        out[r] = f;
-    }
-}
-
 /* q2_k and q3_k with VNNI: a block's 64 bytes of 2-bit values (as tq2_0's) in one register, shifted by 2j,
  * put sub-blocks 2j, 2j + 1, 8 + 2j, 9 + 2j (of 16 values) in its four 128-bit lanes. k2k_acts is run j's
  * activations to match; vpdpbusd of a run's values u against them gives each lane four sums of 4 (|.| <=
@@ -648,38 +620,50 @@ static VNNI void q2_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
  * set (hmask broadcast to both halves: run j's bit is j in the low half, 4 + j in the high one), signed
  * scales; the -4 comes off as 4 * sum of scale * sum(a) per 16, as in AVX2. In cache, one thread, 1024x3072:
  * 12.8 GB/s (the AVX2 kernel) -> 19.9. Without VNNI the AVX2 kernel. */
+static inline VNNI int32_t q3_k_block_vnni(const uint8_t *w, const ms_q8_kx *x, const __m512i idx[2],
+                                            const __m512i bit[4]) {
+    const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    const __m256i scn = _mm256_cvtepi8_epi16(q3k_scales(w + 96));
+    const __m512i sc = _mm512_castsi256_si512(scn);
+    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
+    const __m512i v = _mm512_loadu_si512(w + 32);
+    __m512i u[4];
+    for (int j = 0; j < 4; j++) {
+        const __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 2 * j), m3);
+        u[j] = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(hm, bit[j]), q, four);
+    }
+    __m512i acc = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) acc = k2k_scaled(acc, u[2 * h], u[2 * h + 1], x, h, idx[h], sc);
+    const int32_t bs = sum_epi32(_mm256_madd_epi16(scn, _mm256_loadu_si256((const __m256i *)x->bsums16)));
+    return _mm512_reduce_add_epi32(acc) - 4 * bs;
+}
+
 static VNNI void q3_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
-    const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), idx[2] = {k2k_index(0), k2k_index(1)};
+    const __m512i idx[2] = {k2k_index(0), k2k_index(1)};
     __m512i bit[4];
     for (int j = 0; j < 4; j++)
         bit[j] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)), _mm256_set1_epi8((char)(1 << (4 + j))), 1);
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f = 0.0f;
-        for (int64_t b = 0; b < nb; b++, w += 110) {
-            prefetch_ahead(w, ahead, 110);
-            const __m256i scn = _mm256_cvtepi8_epi16(q3k_scales(w + 96));
-            const __m512i sc = _mm512_castsi256_si512(scn);
-            const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
-            const __m512i v = _mm512_loadu_si512(w + 32);
-            __m512i u[4];
-            for (int j = 0; j < 4; j++) {
-                const __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 2 * j), m3);
-                u[j] = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(hm, bit[j]), q, four);
-            }
-            __m512i acc = _mm512_setzero_si512();
-            for (int h = 0; h < 2; h++) acc = k2k_scaled(acc, u[2 * h], u[2 * h + 1], &x[b], h, idx[h], sc);
-            const int32_t bs = sum_epi32(_mm256_madd_epi16(scn, _mm256_loadu_si256((const __m256i *)x[b].bsums16)));
-            f = fmaf((float)(_mm512_reduce_add_epi32(acc) - 4 * bs), h2f(w + 108) * x[b].d, f);
-        }
-        out[r] = f;
-    }
+    Q8K_ROWS(110, 108, q3_k_block_vnni(w, xb, idx, bit));
 }
 
 VNNI_OR_AVX2(q3_k)
 VNNI_OR_AVX2(q2_k)
+
+/* tq2_0 with VNNI (ms_dot4_tq2_0_scalar's sums): the block's 64 bytes of 2-bit values in one register,
+ * shifted by 0, 2, 4, 6, each run of 64 values against activations 32l..32l+31 (low half) and 128 + 32l..
+ * (high half, k2k_acts), by vpdpbusd into exact int32 lanes. Without VNNI the AVX2 kernel. */
+static inline VNNI int32_t tq2_0_block_vnni(const uint8_t *w, const ms_q8_kx *x) {
+    const __m512i v = _mm512_loadu_si512(w);
+    __m512i acc = _mm512_setzero_si512();
+    for (int l = 0; l < 4; l++)
+        acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(v, 2 * l), _mm512_set1_epi8(3)),
+                                  k2k_acts(x, l));
+    return _mm512_reduce_add_epi32(acc) - q8k_sum(x);
+}
+
+static VNNI void tq2_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    Q8K_ROWS(66, 64, tq2_0_block_vnni(w, xb));
+}
 
 /* tq1_0's trits of the bytes t (ms_dot4_tq1_0_avx2: [t > 85] + [t > 170], t the low byte of v * 3^j) in the
  * bytes of `lanes`, 0 elsewhere; times3_512, t * 3 mod 256 per byte. */
@@ -698,42 +682,35 @@ static inline VNNI __m512i times3_512(__m512i t) { return _mm512_add_epi8(t, _mm
  * meet activations 224..255 in one 256-bit register; all by vpdpbusd into exact int32 lanes. One thread,
  * kernels.py: 5.3-6.2 GB/s (the AVX2 kernel) -> 7.7-8.0, two threads 12 -> 15 (a trit made by compares
  * into masks or by saturating subtractions: the same). Without VNNI the AVX2 kernel. */
-static VNNI void tq1_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
+static inline VNNI int32_t tq1_0_block_vnni(const uint8_t *w, const ms_q8_kx *x) {
     const __mmask64 all = ~(__mmask64)0, low = 0xFFFFFFFFull, hi32 = ~low;
     const __mmask64 lanes123 = ~(__mmask64)0xFFFF, lanes23 = ~(__mmask64)0xFFFFFFFF, lane3 = ~(__mmask64)0xFFFFFFFFFFFFull;
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f = 0.0f;
-        for (int64_t b = 0; b < nb; b++, w += 54) {
-            prefetch_ahead(w, ahead, 54);
-            const int8_t *a = x[b].q;
-            /* bytes 0..31: [v | 3 v], then 9 times that twice */
-            __m512i t = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
-            t = _mm512_mask_add_epi8(t, hi32, t, _mm512_add_epi8(t, t));
-            __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), trit512(t, all), _mm512_loadu_si512(a));
-            t = times3_512(times3_512(t));
-            acc = _mm512_dpbusd_epi32(acc, trit512(t, all), _mm512_loadu_si512(a + 64));
-            t = times3_512(times3_512(t));
-            acc = _mm512_dpbusd_epi32(acc, trit512(t, low), _mm512_loadu_si512(a + 128)); /* run 4 only */
-            /* bytes 32..47: lane L holds v * 3^L */
-            __m512i u = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(w + 32)));
-            u = _mm512_mask_add_epi8(u, lanes123, u, _mm512_add_epi8(u, u));
-            u = _mm512_mask_add_epi8(u, lanes23, u, _mm512_add_epi8(u, u));
-            u = _mm512_mask_add_epi8(u, lane3, u, _mm512_add_epi8(u, u));
-            acc = _mm512_dpbusd_epi32(acc, trit512(u, all), _mm512_loadu_si512(a + 160));
-            /* run 4 of bytes 32..47 (v * 81) and qh (byte k's trit j at 4j + k) against activations 224..255 */
-            const __m128i th = tq1_qh_bytes(w);
-            const __m128i u81 = _mm512_extracti32x4_epi32(times3_512(u), 3);
-            const __m512i tail = _mm512_castsi256_si512(_mm256_set_m128i(th, u81));
-            const __m512i ta = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 224)));
-            acc = _mm512_dpbusd_epi32(acc, trit512(tail, low), ta);
-            const int32_t s = _mm512_reduce_add_epi32(acc) - q8k_sum(&x[b]);
-            f = fmaf((float)s, h2f(w + 52) * x[b].d, f);
-        }
-        out[r] = f;
-    }
+    const int8_t *a = x->q;
+    /* bytes 0..31: [v | 3 v], then 9 times that twice */
+    __m512i t = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
+    t = _mm512_mask_add_epi8(t, hi32, t, _mm512_add_epi8(t, t));
+    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), trit512(t, all), _mm512_loadu_si512(a));
+    t = times3_512(times3_512(t));
+    acc = _mm512_dpbusd_epi32(acc, trit512(t, all), _mm512_loadu_si512(a + 64));
+    t = times3_512(times3_512(t));
+    acc = _mm512_dpbusd_epi32(acc, trit512(t, low), _mm512_loadu_si512(a + 128)); /* run 4 only */
+    /* bytes 32..47: lane L holds v * 3^L */
+    __m512i u = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(w + 32)));
+    u = _mm512_mask_add_epi8(u, lanes123, u, _mm512_add_epi8(u, u));
+    u = _mm512_mask_add_epi8(u, lanes23, u, _mm512_add_epi8(u, u));
+    u = _mm512_mask_add_epi8(u, lane3, u, _mm512_add_epi8(u, u));
+    acc = _mm512_dpbusd_epi32(acc, trit512(u, all), _mm512_loadu_si512(a + 160));
+    /* run 4 of bytes 32..47 (v * 81) and qh (byte k's trit j at 4j + k) against activations 224..255 */
+    const __m128i th = tq1_qh_bytes(w);
+    const __m128i u81 = _mm512_extracti32x4_epi32(times3_512(u), 3);
+    const __m512i tail = _mm512_castsi256_si512(_mm256_set_m128i(th, u81));
+    const __m512i ta = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 224)));
+    acc = _mm512_dpbusd_epi32(acc, trit512(tail, low), ta);
+    return _mm512_reduce_add_epi32(acc) - q8k_sum(x);
+}
+
+static VNNI void tq1_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    Q8K_ROWS(54, 52, tq1_0_block_vnni(w, xb));
 }
 
 VNNI_OR_AVX2(tq1_0)

@@ -42,6 +42,26 @@ static inline __m128i q3k_scales(const uint8_t *s) {
     return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
 }
 
+/* The rows of a q8_k format whose block sum is one exact integer and one chain (tq2_0, tq1_0, q3_k): in a
+ * kernel with the dot4 parameters (m, row0, nrows, xp, out), for each row and each block of BYTES bytes at
+ * w (against the activations xb), f = fmaf(S_EXPR, d * d(x), f) in block order, d the f16 at w + D_AT; the
+ * next tile is prefetched at most 8 KB ahead (next_tile_ahead). */
+#define Q8K_ROWS(BYTES, D_AT, S_EXPR)                                                                   \
+    do {                                                                                                \
+        const ms_q8_kx *x_ = (const ms_q8_kx *)xp;                                                      \
+        const int64_t nb_ = m->cols / 256, ahead_ = next_tile_ahead(m);                                 \
+        for (int r_ = 0; r_ < nrows; r_++) {                                                            \
+            const uint8_t *w = m->data + (row0 + r_) * m->row_bytes;                                    \
+            float f_ = 0.0f;                                                                            \
+            for (int64_t b_ = 0; b_ < nb_; b_++, w += (BYTES)) {                                        \
+                prefetch_ahead(w, ahead_, (BYTES));                                                     \
+                const ms_q8_kx *xb = &x_[b_];                                                           \
+                f_ = fmaf((float)(S_EXPR), h2f(w + (D_AT)) * xb->d, f_);                                \
+            }                                                                                           \
+            out[r_] = f_;                                                                               \
+        }                                                                                               \
+    } while (0)
+
 /* sum(a) over a q8_k block, from its eight bsums. */
 static inline int32_t q8k_sum(const ms_q8_kx *x) {
     __m128i s = _mm_madd_epi16(_mm_loadu_si128((const __m128i *)x->bsums), _mm_set1_epi16(1));
