@@ -124,16 +124,13 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_mat
     for (int r = 0; r < R; r++) out[r] = finish4(acc[r]);
 }
 
-/* Rows one at a time while the token's activations fit well in L1 (MS_MXFP4X_BYTES per block; 32 KB: up
- * to 9024 columns): a row's weights and scales then stream in order, which from memory beats four rows
- * sharing the activation loads (A/B, two threads, read ~47 GB/s: 7168x2048 79% -> 95% of the read,
- * 2048x7168 79% -> 90-96%, 3584x3072 81% -> 90%); wider rows take four at a time, so that each activation
- * load serves four rows (one row at a time, 4096x14336: 52% of the read against 81%). */
-#define MX_ONE_ROW_MAX 32768
-
-/* A tile of nrows rows against one token. Decode: rows one at a time up to MX_ONE_ROW_MAX bytes of
- * activations, else four at once, prefetching at least 16 KB ahead. Prefill: four at once whatever the
- * width, prefetching the next tile only (no division per token). */
+/* A tile of nrows rows against one token: four rows at once, so that each activation load serves four
+ * rows (a tail of fewer rows one at a time). Decode prefetches at least 16 KB ahead, prefill the next tile
+ * only (no division per token). Decode had taken rows one at a time while a token's activations fit in L1
+ * (up to 9024 columns), so that a row's weights stream in order, which won at the read of ~47 GB/s while
+ * the four-row loop spilled two rows' weight vectors; since 061e041 four rows win (kernels.py at df17590,
+ * A/B runs in turn): one thread 7168x2048 75-78 -> 81-83% of the read, 3584x3072 72-78 -> 83-88%, and two
+ * threads with the read at ~75 GB/s 73 -> 77%. */
 static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_matrix *m, int64_t row0, int nrows,
                                                                   const float *xp, float *out, const int prefill) {
     int64_t nb = m->cols / 32;
@@ -143,7 +140,7 @@ static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_
     const __m512i ulut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t));
     int32_t nan_bits;
     memcpy(&nan_bits, &ms_e8m0_half_lut[255], sizeof nan_bits);
-    if (nrows == 4 && (prefill || nb * MS_MXFP4X_BYTES > MX_ONE_ROW_MAX)) {
+    if (nrows == 4) {
         mx_rows(m, row0, 4, &x, nb, prefill ? 4 : prefetch_rows(m->row_bytes, 4, 4), nan_bits, ulut, out);
         return;
     }
