@@ -76,6 +76,7 @@ typedef struct {
     float *out;
     ms_dot4_fn dot4;
     ms_gemm_fn gemm;  /* NULL: dot4 per token */
+    ms_rows_fn rows;  /* one token and a format with a kernel for a run of tiles; else NULL */
     int64_t tiles;
     int64_t tile_cost; /* weight bytes of a tile times tokens */
     int64_t cost0;     /* cost of the products before this one */
@@ -113,7 +114,12 @@ static void batch_task(void *ctx, int ith, int nth) {
         if (end <= lo || j->cost0 >= hi) continue;
         int64_t k0 = lo <= j->cost0 ? 0 : (lo - j->cost0 + c - 1) / c;
         int64_t k1 = hi >= end ? j->tiles : (hi - j->cost0 + c - 1) / c;
-        for (int64_t k = k0; k < k1; k++) run_tile(j, k);
+        if (j->rows != NULL && k1 > k0) {
+            const int64_t r0 = 4 * k0, r1 = 4 * k1 < j->m->rows ? 4 * k1 : j->m->rows;
+            j->rows(j->m, r0, r1 - r0, (const float *)j->x, j->out + r0);
+        } else {
+            for (int64_t k = k0; k < k1; k++) run_tile(j, k);
+        }
     }
 }
 
@@ -152,6 +158,7 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
         j->out = p[i].out;
         j->dot4 = f->dot4[active_isa];
         j->gemm = p[i].T > 1 ? f->gemm[active_isa] : NULL;
+        j->rows = p[i].T == 1 ? f->rows[active_isa] : NULL;
         j->stride = p[i].m.cols * (int64_t)sizeof(float);
         offset[i] = -1;
         if (prep[i] != NULL) {

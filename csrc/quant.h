@@ -58,6 +58,10 @@ typedef void (*ms_prep_x_fn)(const float *x, int64_t n, float *xp); /* xp: prep_
  * done once per tile instead of once per token). */
 typedef void (*ms_gemm_fn)(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                            float *out, int64_t out_stride);
+/* out[r] = dot4(W[row0 + r, :], x) for r < nrows, any nrows: one token against a run of rows (whole tiles
+ * but the matrix's last), with the same numbers as dot4 tile by tile, for kernels that gain from taking
+ * more than four rows at once (mxfp4's wide rows: eight). */
+typedef void (*ms_rows_fn)(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 
 typedef struct {
     const char *name;
@@ -68,6 +72,7 @@ typedef struct {
     ms_prep_x_fn prep_x[MS_NUM_ISAS];
     int prep_bytes; /* bytes of prepared activations per block (0: 4 per element, as floats) */
     ms_gemm_fn gemm[MS_NUM_ISAS]; /* optional: a tile of rows against T > 1 tokens, as dot4 would do each */
+    ms_rows_fn rows[MS_NUM_ISAS]; /* optional: a run of rows against one token, as dot4 would do each tile */
 } ms_format_traits;
 
 extern const ms_format_traits ms_formats[MS_NUM_FORMATS];
@@ -181,9 +186,11 @@ void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const f
 void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
 void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                           float *out, int64_t out_stride); /* VNNI; else the AVX2 kernel token by token */
-/* The VNNI + VBMI kernels ms_dot4_mxfp4_int_avx512 and ms_gemm_mxfp4_avx512 run when ms_use_vbmi(): a tile
- * against one token for decode, and for prefill (four rows at once whatever their width). */
+void ms_rows_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
+/* The VNNI + VBMI kernels ms_dot4_mxfp4_int_avx512, ms_rows_mxfp4_int_avx512 and ms_gemm_mxfp4_avx512 run
+ * when ms_use_vbmi(): a tile or a run of rows against one token for decode, and a tile for prefill. */
 void ms_dot4_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_rows_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 void ms_dot4_mxfp4_vbmi_prefill(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_tq2_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_tq2_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);

@@ -73,6 +73,17 @@ void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const
         ms_dot4_mxfp4_int_avx2(m, row0, nrows, xp, out);
 }
 
+/* mxfp4 decode over a run of rows (mx_decode_rows); without VNNI the AVX2 kernel tile by tile. */
+void ms_rows_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+    if (ms_use_vbmi())
+        ms_rows_mxfp4_vbmi(m, row0, nrows, xp, out);
+    else if (ms_use_vnni())
+        mx_decode_rows(m, row0, nrows, xp, out);
+    else
+        for (int64_t r = 0; r < nrows; r += 4)
+            ms_dot4_mxfp4_int_avx2(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r);
+}
+
 /* mxfp4 against several tokens (prefill): token by token, each tile's rows four at once (mx_prefill),
  * each row with the one-token kernel's bits; without VNNI the AVX2 kernel. */
 void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,

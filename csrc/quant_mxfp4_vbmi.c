@@ -21,6 +21,10 @@ void ms_dot4_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int nrows, const float
     mx_decode(m, row0, nrows, xp, out);
 }
 
+void ms_rows_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+    mx_decode_rows(m, row0, nrows, xp, out);
+}
+
 void ms_dot4_mxfp4_vbmi_prefill(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     mx_prefill(m, row0, nrows, xp, out);
 }

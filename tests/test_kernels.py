@@ -156,7 +156,7 @@ def test_isas_bit_identical(fmt, shape):
     """Every path follows the same canonical reduction order, so they agree to the bit (with and
     without a tail of columns beyond the last full 16; 37 and 23 blocks of 32 end a group of 16 blocks with
     5 and 7, so that every tail of the int4 and mxfp4 kernels runs; rows wider than 8192 take other row
-    groupings, mxfp4 rows wider than 9024 four rows at a time, and int4 rows wider than 7710 make their
+    groupings, mxfp4 rows wider than 9024 eight rows at a time, and int4 rows wider than 7710 make their
     lane offsets instead of loading them). One token (decode) and two (prefill, other kernels), and the one
     token's bits are its row of the two's."""
     w = make_weight(fmt, *shape_for(fmt, shape))
@@ -164,6 +164,20 @@ def test_isas_bit_identical(fmt, shape):
     assert_same_on_every_isa(w, x)
     assert_same_on_every_isa(w, x[:1])
     assert w.matmul(x[:1]).tobytes() == w.matmul(x)[:1].tobytes()
+
+
+def test_mxfp4_wide_rows_eight_at_once():
+    """mxfp4 decode takes rows wider than 9024 columns eight at a time where a thread's run of rows allows:
+    each row keeps the bits it has in a tile of four, alone, and on every path. 150 rows make 18 runs of
+    eight, a tile of four and a last tile of two at one thread; at two threads each thread's 19 tiles end
+    with a tile of four or the last two rows. One token at one and two threads, on every path, and as its
+    row of a two-token product (prefill takes four rows at a time)."""
+    w = make_weight("mxfp4", 150, 14496)
+    x = np.random.default_rng(4).standard_normal((2, w.cols)).astype(np.float32)
+    one = w.matmul(x[:1])
+    assert one.tobytes() == w.matmul(x[:1], threads=2).tobytes()
+    assert one.tobytes() == w.matmul(x, threads=2)[:1].tobytes()
+    assert_same_on_every_isa(w, x[:1])
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k", "int4", "mxfp4"])
