@@ -160,11 +160,12 @@ static MX_TARGET void mx_decode(const ms_matrix *m, int64_t row0, int nrows, con
 
 /* Decode of a run of rows. A token whose activations pass MX_EIGHT_ROWS_BYTES (rows wider than 9024
  * columns) no longer fits in L1 beside the weights streaming in, and each activation line comes from L2:
- * there pairs of tiles are taken eight rows at once, so that each activation load serves eight rows (C
- * harness, in-process A/B at 99e63c3, one thread from memory: 4096x14336 31.9-33.5 -> 35.8-36.3 GB/s,
- * 2048x28672 32.7-33.3 -> 36.4, 8192x7168 35.4-36.0 -> 36.5-36.7; narrower rows lose by it, 7168x2048
- * 38.2-39.2 -> 36.3-36.5, 3584x3072 41.7-42.0 -> 37.8-38.0, and run tile by tile). Each row's arithmetic is
- * the same whatever the rows beside it, so the bits are those of mx_decode. */
+ * there pairs of tiles are taken eight rows at once, so that each activation load serves eight rows. One
+ * thread from memory, 4096x14336 (numpy's weights, on huge pages), seven A/B pairs against 43397ab: 80-85
+ * -> 81-88% of the read, never less. In a C harness the gain moved with where the buffers lay (+9% at one
+ * placement, none with random offsets). Narrower rows lose by it (harness: 7168x2048 -7%, 3584x3072
+ * -10%) and run tile by tile. Each row's arithmetic is the same whatever the rows beside it, so the bits
+ * are those of mx_decode. */
 #define MX_EIGHT_ROWS_BYTES 32768
 static MX_TARGET void mx_decode_rows(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     const int64_t nb = m->cols / 32;
