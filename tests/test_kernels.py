@@ -156,9 +156,9 @@ def test_isas_bit_identical(fmt, shape):
     """Every path follows the same canonical reduction order, so they agree to the bit (with and
     without a tail of columns beyond the last full 16; 37 and 23 blocks of 32 end a group of 16 blocks with
     5 and 7, so that every tail of the int4 and mxfp4 kernels runs; rows wider than 8192 take other row
-    groupings, mxfp4 rows wider than 9024 eight rows at a time, and int4 rows wider than 7710 make their
-    lane offsets instead of loading them). One token (decode) and two (prefill, other kernels), and the one
-    token's bits are its row of the two's."""
+    groupings, mxfp4 rows wider than 9024 go through its run-of-rows kernel, here a tile of four and one
+    row, and int4 rows wider than 7710 make their lane offsets instead of loading them). One token
+    (decode) and two (prefill, other kernels), and the one token's bits are its row of the two's."""
     w = make_weight(fmt, *shape_for(fmt, shape))
     x = np.random.default_rng(3).standard_normal((2, w.cols)).astype(np.float32)
     assert_same_on_every_isa(w, x)
