@@ -183,13 +183,13 @@ void ms_prep_x_mxfp4(const float *x, int64_t n, float *xp);
 void ms_prep_x_mxfp4_avx2(const float *x, int64_t n, float *xp); /* the same bytes, faster */
 void ms_dot4_mxfp4_int_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_mxfp4_int_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
-void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
+void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* the rows kernel */
 void ms_gemm_mxfp4_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                           float *out, int64_t out_stride); /* VNNI; else the AVX2 kernel token by token */
 void ms_rows_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
-/* The VNNI + VBMI kernels ms_dot4_mxfp4_int_avx512, ms_rows_mxfp4_int_avx512 and ms_gemm_mxfp4_avx512 run
- * when ms_use_vbmi(): a tile or a run of rows against one token for decode, and a tile for prefill. */
-void ms_dot4_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+/* The VNNI + VBMI kernels that ms_rows_mxfp4_int_avx512 (and through it ms_dot4_mxfp4_int_avx512) and
+ * ms_gemm_mxfp4_avx512 run when ms_use_vbmi(): a run of rows against one token for decode, and a tile for
+ * prefill. */
 void ms_rows_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 void ms_dot4_mxfp4_vbmi_prefill(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_tq2_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);

@@ -64,15 +64,6 @@ static inline MX_TARGET void mx_nibbles(__m512i v, __m512i lut, __m512i *ul, __m
 }
 #include "quant_mxfp4_avx512.h"
 
-void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    if (ms_use_vbmi())
-        ms_dot4_mxfp4_vbmi(m, row0, nrows, xp, out);
-    else if (ms_use_vnni())
-        mx_decode(m, row0, nrows, xp, out);
-    else
-        ms_dot4_mxfp4_int_avx2(m, row0, nrows, xp, out);
-}
-
 /* mxfp4 decode over a run of rows (mx_decode_rows); without VNNI the AVX2 kernel tile by tile. */
 void ms_rows_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     if (ms_use_vbmi())
@@ -82,6 +73,11 @@ void ms_rows_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, c
     else
         for (int64_t r = 0; r < nrows; r += 4)
             ms_dot4_mxfp4_int_avx2(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r);
+}
+
+/* A tile against one token: the run-of-rows kernel, whose tiles of at most four rows are computed alone. */
+void ms_dot4_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    ms_rows_mxfp4_int_avx512(m, row0, nrows, xp, out);
 }
 
 /* mxfp4 against several tokens (prefill): token by token, each tile's rows four at once (mx_prefill),

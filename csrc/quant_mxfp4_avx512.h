@@ -4,8 +4,8 @@
  * table repeated four times needs no masks: ~+3-5% from memory on Zen 5). The includer defines MX_TARGET
  * (the target attribute of the functions that use vpdpbusd) and
  * mx_nibbles(v, lut, &ul, &uh): ul and uh, the doubled E2M1 values + 12 of the low and the high nibbles of
- * the 64 bytes v, from lut (those 16 values in each 128-bit lane). It gets mx_decode and mx_prefill, a tile
- * of rows against one token for decode and for prefill. */
+ * the 64 bytes v, from lut (those 16 values in each 128-bit lane). It gets mx_decode_rows, a run of rows
+ * against one token for decode, and mx_prefill, a tile of rows against one token for prefill. */
 
 /* ms_e8m0_half_lut[s] * xd for 16 E8M0 bytes s: vscalefps multiplies xd by 2^(s-128) exactly as the
  * product with the table's value rounds (both are powers of two, s = 0 and 1 the subnormals 2^-128 and
@@ -154,10 +154,6 @@ static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_
     for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, ahead_rows, nan_bits, ulut, out + r);
 }
 
-static MX_TARGET void mx_decode(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    mxfp4_tile(m, row0, nrows, xp, out, 0);
-}
-
 /* Decode of a run of rows. A token whose activations pass MX_EIGHT_ROWS_BYTES (rows wider than 9024
  * columns) no longer fits in L1 beside the weights streaming in, and each activation line comes from L2:
  * there pairs of tiles are taken eight rows at once, so that each activation load serves eight rows. One
@@ -165,7 +161,7 @@ static MX_TARGET void mx_decode(const ms_matrix *m, int64_t row0, int nrows, con
  * -> 81-88% of the read, never less. In a C harness the gain moved with where the buffers lay (+9% at one
  * placement, none with random offsets). Narrower rows lose by it (harness: 7168x2048 -7%, 3584x3072
  * -10%) and run tile by tile. Each row's arithmetic is the same whatever the rows beside it, so the bits
- * are those of mx_decode. */
+ * are those of a tile alone. */
 #define MX_EIGHT_ROWS_BYTES 32768
 static MX_TARGET void mx_decode_rows(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     const int64_t nb = m->cols / 32;

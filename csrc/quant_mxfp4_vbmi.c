@@ -17,10 +17,6 @@ static inline void mx_nibbles(__m512i v, __m512i lut, __m512i *ul, __m512i *uh) 
 }
 #include "quant_mxfp4_avx512.h"
 
-void ms_dot4_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    mx_decode(m, row0, nrows, xp, out);
-}
-
 void ms_rows_mxfp4_vbmi(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     mx_decode_rows(m, row0, nrows, xp, out);
 }
