@@ -24,8 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moestream
-from common import best_time, commit, machine, table
-from moestream import _C
+from common import best_time, commit, machine, read_gbs, table
 from moestream.formats.packed import pack
 from moestream.synth import synth
 
@@ -165,8 +164,7 @@ class LlamaCpp:
 
 def memory_read(threads: int) -> float:
     """GB/s of a plain read of 2 GiB at this moment (the machines here move between two speeds)."""
-    buf = np.ones(2 << 30, np.uint8)
-    return 2 * 2**30 / best_time(lambda: _C.memread(buf, threads), repeat=3, min_seconds=0.5) / 1e9
+    return read_gbs(np.ones(2 << 30, np.uint8), threads, 0.5, repeat=3)
 
 
 def kernel_bandwidth(threads: int) -> list[list[object]]:

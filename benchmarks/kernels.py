@@ -1,9 +1,10 @@
 """GB/s of weights streamed by the matvec kernels, per format, for three decode shapes at 1 and 2 threads,
-beside a plain memory read. This machine's read bandwidth moves by half within minutes, so each cell
-alternates the two: read, kernel, read, kernel, ..., read (--rounds kernel runs of --seconds each); each
-kernel run is taken against the mean of the reads on either side of it, and the cell shows the medians
-over its rounds. Each run cycles through enough copies of the matrix (>= 1 GB) that the weights come
-from memory, as in decode.
+beside a plain memory read: the fastest of one sequential stream and several interleaved ones per thread
+(common.READ_STREAMS; on a Xeon the interleaved read is up to 1.6x the sequential one). This machine's read
+bandwidth moves by half within minutes, so each cell alternates the two: read, kernel, read, kernel, ...,
+read (--rounds kernel runs of --seconds each); each kernel run is taken against the mean of the reads on
+either side of it, and the cell shows the medians over its rounds. Each run cycles through enough copies
+of the matrix (>= 1 GB) that the weights come from memory, as in decode.
 
     python3 benchmarks/kernels.py [--formats bf16,q4_k,...] [--seconds 0.2] [--rounds 5] [--isa avx2]
 
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from common import best_time, commit, machine, table
+from common import best_time, commit, machine, read_gbs, table
 from moestream import _C
 from moestream.quant import FORMATS, Weight, blocks
 from moestream.quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
@@ -69,16 +70,16 @@ def main() -> None:
     print(f"machine: {machine()}\ncommit: {commit()}\nkernels: {args.isa}\n")
     buf = np.ones(1 << 30, np.uint8)
 
-    def read_gbs(t: int) -> float:
-        return (1 << 30) / best_time(lambda: _C.memread(buf, t), 1, args.seconds) / 1e9
+    def read_now(t: int) -> float:
+        return read_gbs(buf, t, args.seconds)
 
     def alternate(step: Callable[[], None], nbytes: int, t: int) -> tuple[float, float, float]:
         """(kernel GB/s, its share of the read, read GB/s): medians over the rounds, each kernel run
         against the mean of the reads just before and just after it."""
-        reads, runs = [read_gbs(t)], []
+        reads, runs = [read_now(t)], []
         for _ in range(args.rounds):
             runs.append(nbytes / best_time(step, 1, args.seconds) / 1e9)
-            reads.append(read_gbs(t))
+            reads.append(read_now(t))
         shares = [k / ((a + b) / 2) for k, a, b in zip(runs, reads, reads[1:], strict=False)]
         return statistics.median(runs), statistics.median(shares), statistics.median(reads)
 

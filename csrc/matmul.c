@@ -237,49 +237,78 @@ void ms_dequant(const ms_matrix *m, float *out, int nthreads) {
 typedef struct {
     const uint8_t *p;
     int64_t n;
+    int streams;
     double sums[256];
 } memread_job;
 
-__attribute__((target("avx2"))) static double read_avx2(const uint8_t *p, int64_t n) {
+/* XOR of the 8-byte words of p[0:n], read as `streams` equal runs (whole 256-byte steps) taken 256 bytes from
+ * each in turn, then the bytes left over. One stream is a plain sequential read; several keep more lines in
+ * flight on CPUs whose prefetchers follow each stream on its own (Xeon Sapphire Rapids, 2 threads: one
+ * stream 20-23 GB/s, four 25-32). */
+__attribute__((target("avx2"))) static uint64_t read_avx2(const uint8_t *p, int64_t n, int streams) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 128 <= n; i += 128) {
-        a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i *)(p + i)));
-        a1 = _mm256_xor_si256(a1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
-        a2 = _mm256_xor_si256(a2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
-        a3 = _mm256_xor_si256(a3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    const int64_t run = n / streams / 256 * 256;
+    for (int64_t i = 0; i < run; i += 256) {
+        for (int s = 0; s < streams; s++) {
+            const uint8_t *q = p + s * run + i;
+            for (int o = 0; o < 256; o += 128) {
+                a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i *)(q + o)));
+                a1 = _mm256_xor_si256(a1, _mm256_loadu_si256((const __m256i *)(q + o + 32)));
+                a2 = _mm256_xor_si256(a2, _mm256_loadu_si256((const __m256i *)(q + o + 64)));
+                a3 = _mm256_xor_si256(a3, _mm256_loadu_si256((const __m256i *)(q + o + 96)));
+            }
+        }
     }
     a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
     uint64_t l[4];
     _mm256_storeu_si256((__m256i *)l, a0);
     uint64_t s = l[0] ^ l[1] ^ l[2] ^ l[3];
-    for (; i < n; i++) s ^= p[i];
-    return (double)(s & 0xffff);
-}
-
-static double read_scalar(const uint8_t *p, int64_t n) {
-    uint64_t s = 0;
-    int64_t i = 0;
+    int64_t i = run * streams;
     for (; i + 8 <= n; i += 8) {
         uint64_t v;
         memcpy(&v, p + i, 8);
         s ^= v;
     }
     for (; i < n; i++) s ^= p[i];
-    return (double)(s & 0xffff);
+    return s;
+}
+
+static uint64_t read_scalar(const uint8_t *p, int64_t n, int streams) {
+    uint64_t s = 0;
+    const int64_t run = n / streams / 256 * 256;
+    for (int64_t i = 0; i < run; i += 256) {
+        for (int k = 0; k < streams; k++) {
+            for (int o = 0; o < 256; o += 8) {
+                uint64_t v;
+                memcpy(&v, p + k * run + i + o, 8);
+                s ^= v;
+            }
+        }
+    }
+    int64_t i = run * streams;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v;
+        memcpy(&v, p + i, 8);
+        s ^= v;
+    }
+    for (; i < n; i++) s ^= p[i];
+    return s;
 }
 
 static void memread_task(void *ctx, int ith, int nth) {
     memread_job *j = ctx;
     int64_t a = j->n * ith / nth, b = j->n * (ith + 1) / nth;
-    j->sums[ith] = ms_isa_supported(MS_ISA_AVX2) ? read_avx2(j->p + a, b - a) : read_scalar(j->p + a, b - a);
+    uint64_t s = active_isa >= MS_ISA_AVX2 ? read_avx2(j->p + a, b - a, j->streams)
+                                               : read_scalar(j->p + a, b - a, j->streams);
+    j->sums[ith] = (double)(s & 0xffff);
 }
 
-double ms_memread(const uint8_t *p, int64_t n, int nthreads) {
+double ms_memread(const uint8_t *p, int64_t n, int nthreads, int streams) {
     memread_job j;
     memset(&j, 0, sizeof(j));
     j.p = p;
     j.n = n;
+    j.streams = streams < 1 ? 1 : streams > 64 ? 64 : streams;
     if (nthreads > 256) nthreads = 256;
     if (nthreads < 1) nthreads = 1;
     ms_parallel(nthreads, memread_task, &j);

@@ -55,6 +55,8 @@ int ms_combine_rows(const ms_matrix *m, int64_t first, int64_t stride, int H, in
  * when fp8's 128-row scale blocks do not line up with the blocks of rows. */
 int ms_block_rows_matmul(const ms_matrix *m, int64_t first, int64_t stride, int H, int V, const float *x, float *out,
                          int nthreads);
-/* Reads n bytes as a memory bandwidth baseline; returns a checksum. */
-double ms_memread(const uint8_t *p, int64_t n, int nthreads);
+/* Reads n bytes as a memory bandwidth baseline, each thread its share as `streams` runs read 256 bytes from
+ * each in turn (1..64); returns the sum over threads of the low 16 bits of the XOR of their share's 8-byte
+ * words (the bytes past the last whole word XORed in alone), the same for any `streams`. */
+double ms_memread(const uint8_t *p, int64_t n, int nthreads, int streams);
 #endif

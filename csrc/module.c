@@ -252,11 +252,16 @@ done:
 static PyObject *py_memread(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer b;
-    int threads;
-    if (!PyArg_ParseTuple(args, "y*i", &b, &threads)) return NULL;
+    int threads, streams = 1;
+    if (!PyArg_ParseTuple(args, "y*i|i", &b, &threads, &streams)) return NULL;
+    if (streams < 1 || streams > 64) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "memread: streams must be 1..64");
+        return NULL;
+    }
     double r;
     Py_BEGIN_ALLOW_THREADS
-    r = ms_memread((const uint8_t *)b.buf, b.len, threads);
+    r = ms_memread((const uint8_t *)b.buf, b.len, threads, streams);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&b);
     return PyFloat_FromDouble(r);
@@ -596,7 +601,8 @@ static PyMethodDef methods[] = {
      "tokens, state S [H, D, D] updated in place, out [T, H, D] (csrc/kda.h)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, w, eps, out): out = w * x / sqrt(mean(x^2) + eps) per row of len(w), numpy's float32 bits"},
-    {"memread", py_memread, METH_VARARGS, "memread(buffer, threads): read every byte (bandwidth baseline)"},
+    {"memread", py_memread, METH_VARARGS, "memread(buffer, threads, streams=1): read every byte, each thread's share as `streams` interleaved runs "
+     "(bandwidth baseline); a checksum that does not depend on streams"},
     {"get_isa", py_get_isa, METH_NOARGS, "the kernel path in use (see set_isa)"},
     {"set_isa", py_set_isa, METH_VARARGS,
      "set_isa(name): force scalar, avx2, avx512 (integer kernels without VNNI), avx512vnni or avx512vbmi"},

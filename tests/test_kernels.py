@@ -214,6 +214,30 @@ def test_every_supported_path_can_be_chosen():
             _C.set_isa(isa)
 
 
+def memread_reference(buf: np.ndarray, threads: int) -> float:
+    """ms_memread's checksum: per thread share, the XOR of its 8-byte words and of its last bytes one by one."""
+    total = 0
+    for i in range(threads):
+        share = buf[len(buf) * i // threads : len(buf) * (i + 1) // threads]
+        words = len(share) // 8 * 8
+        x = np.bitwise_xor.reduce(share[:words].view("<u8"), initial=np.uint64(0))
+        x ^= np.bitwise_xor.reduce(share[words:].astype(np.uint64), initial=np.uint64(0))
+        total += int(x) & 0xFFFF
+    return float(total)
+
+
+@pytest.mark.parametrize("n", [0, 7, 255, 4099, 1_000_003])
+def test_memread_reads_every_byte_in_any_number_of_streams(isa, n):
+    buf = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    for threads in (1, 2, 3):
+        want = memread_reference(buf, threads)
+        for streams in (1, 2, 4, 7, 64):
+            assert _C.memread(buf, threads, streams) == want, (threads, streams)
+    for streams in (0, 65):
+        with pytest.raises(ValueError, match="streams"):
+            _C.memread(buf, 1, streams)
+
+
 def test_bad_arguments_raise():
     w = np.zeros((4, 8), np.float32)
     out = np.zeros((1, 4), np.float32)
