@@ -7,6 +7,7 @@ either side of it, and the cell shows the medians over its rounds. Each run cycl
 of the matrix (>= 1 GB) that the weights come from memory, as in decode.
 
     python3 benchmarks/kernels.py [--formats bf16,q4_k,...] [--seconds 0.2] [--rounds 5] [--isa avx2]
+                                  [--weight-streams 1]
 
 --isa runs the kernels of a lesser instruction set than the CPU's best (scalar, avx2), e.g. to see on an
 AVX-512 machine how the AVX2 kernels that AVX2-only CPUs run compare with the read.
@@ -65,9 +66,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--isa", choices=_C.supported_isas(), default=_C.get_isa())
+    ap.add_argument("--weight-streams", type=int, choices=(1, 4), default=_C.get_weight_streams())
     args = ap.parse_args()
     _C.set_isa(args.isa)
-    print(f"machine: {machine()}\ncommit: {commit()}\nkernels: {args.isa}\n")
+    _C.set_weight_streams(args.weight_streams)
+    print(f"machine: {machine()}\ncommit: {commit()}\nkernels: {args.isa}, weight streams: {args.weight_streams}\n")
     buf = np.ones(1 << 30, np.uint8)
 
     def read_now(t: int) -> float:

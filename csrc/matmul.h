@@ -22,6 +22,10 @@ typedef enum {
 int ms_level_supported(ms_level level);
 ms_level ms_get_level(void);
 int ms_set_level(ms_level level); /* 0 on success, -1 if this CPU lacks it */
+/* How many runs of rows a thread's decode kernels read at once, block by block in turn, where a format has
+ * such a kernel (1 or 4; the same bits either way): 4 on Intel CPUs, 1 elsewhere, until set. */
+int ms_weight_streams(void);
+int ms_set_weight_streams(int n); /* 0; -1 unless n is 1 or 4 */
 int ms_use_vnni(void);            /* the AVX-512 integer kernels take their VNNI paths */
 int ms_use_vbmi(void);            /* and mxfp4's its VBMI path */
 

@@ -290,6 +290,23 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     return NULL;
 }
 
+static PyObject *py_set_weight_streams(PyObject *self, PyObject *args) {
+    (void)self;
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    if (ms_set_weight_streams(n) < 0) {
+        PyErr_Format(PyExc_ValueError, "weight streams must be 1 or 4, not %d", n);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_weight_streams(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromLong(ms_weight_streams());
+}
+
 static PyObject *py_supported_isas(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -606,6 +623,9 @@ static PyMethodDef methods[] = {
     {"get_isa", py_get_isa, METH_NOARGS, "the kernel path in use (see set_isa)"},
     {"set_isa", py_set_isa, METH_VARARGS,
      "set_isa(name): force scalar, avx2, avx512 (integer kernels without VNNI), avx512vnni or avx512vbmi"},
+    {"set_weight_streams", py_set_weight_streams, METH_VARARGS,
+     "set_weight_streams(n): runs of rows a thread's decode kernels read at once, 1 or 4 (the same bits)"},
+    {"get_weight_streams", py_get_weight_streams, METH_NOARGS, "see set_weight_streams; 4 on Intel, else 1"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "the kernel paths this CPU supports, the best last"},
     {"formats", py_formats, METH_NOARGS, "the format table: (name, block, block_bytes) per format id"},
     {NULL, NULL, 0, NULL},

@@ -102,6 +102,31 @@ def test_matmul_independent_of_threads_and_batch(isa, fmt):
         assert w.matmul(x[:n], threads=2).tobytes() == base[:n].tobytes()
 
 
+@pytest.fixture
+def weight_streams():
+    before = _C.get_weight_streams()
+    yield _C.set_weight_streams
+    _C.set_weight_streams(before)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [3, 17, 64, 203])
+def test_decode_same_bits_in_one_or_four_weight_streams(isa, weight_streams, fmt, rows):
+    """A thread's rows read as four interleaved runs (Intel's default) give each row the bits it has when
+    read one after another, and when it is one of a batch of tokens."""
+    w = make_weight(fmt, *shape_for(fmt, (rows, 1100)))
+    x = np.random.default_rng(3).standard_normal((5, w.cols)).astype(np.float32)
+    base = w.matmul(x, threads=1)
+    for n in (1, 4):
+        weight_streams(n)
+        for threads in (1, 2, 3):
+            for t in (0, 4):
+                assert w.matmul(x[t : t + 1], threads=threads).tobytes() == base[t : t + 1].tobytes(), (n, threads)
+    for n in (0, 2, 8):
+        with pytest.raises(ValueError, match="1 or 4"):
+            weight_streams(n)
+
+
 def test_matmul_many_equals_each_product_alone(isa):
     """A batch of products over every format, some sharing x (prepared once), some with their own, of
     1 and several tokens, gives each product the bits it gets alone, at any thread count."""
