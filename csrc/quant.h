@@ -165,6 +165,8 @@ void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp);
 void ms_dot4_q8_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q8_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q8_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_rows_q8_0_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
+void ms_rows_int4_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 void ms_dot4_q4_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_gemm_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,

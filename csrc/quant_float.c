@@ -178,7 +178,9 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_Q8_0] = {"q8_0", 32, 34,
                  {ms_dot4_q8_0_scalar, ms_dot4_q8_0_avx2, ms_dot4_q8_0_avx512},
                  {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},
-                 {ms_prep_x_q8_0, ms_prep_x_q8_0_avx2, ms_prep_x_q8_0_avx2}},
+                 {ms_prep_x_q8_0, ms_prep_x_q8_0_avx2, ms_prep_x_q8_0_avx2}, 0,
+                 {NULL, NULL, NULL},
+                 {NULL, NULL, ms_rows_q8_0_avx512}},
     [MS_Q4_K] = {"q4_k", 256, 144,
                  {ms_dot4_q4_k_scalar, ms_dot4_q4_k_avx2, ms_dot4_q4_k_avx512},
                  {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},
@@ -199,5 +201,6 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
                      {ms_dot4_int4_scalar, ms_dot4_int4_avx2, ms_dot4_int4_avx512},
                      {ms_dequant_int4, ms_dequant_int4, ms_dequant_int4},
                      {ms_prep_x_int4, ms_prep_x_int4_avx2, ms_prep_x_int4_avx2}, MS_INT4X_BYTES,
-                     {NULL, NULL, ms_gemm_int4_avx512}},
+                     {NULL, NULL, ms_gemm_int4_avx512},
+                     {NULL, NULL, ms_rows_int4_avx512}},
 };

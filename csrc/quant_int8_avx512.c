@@ -141,15 +141,15 @@ static inline __attribute__((always_inline)) VNNI void int4_last(__m256i nib, co
  * multiply-adds (blocks b % 4 = 0, 1 in acc[r][0]; 2, 3 in acc[r][1]) keep it fast in cache; the R rows
  * share each activation load. */
 static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix *m, int64_t row0, const int R,
-                                                            const ms_int4x *x, int64_t nb, int64_t ahead_rows,
-                                                            const int wide, float *out) {
+                                                            int64_t step, const ms_int4x *x, int64_t nb,
+                                                            int64_t ahead_rows, const int wide, float *out) {
     const int64_t ahead = ahead_rows * m->row_bytes;
     const uint8_t *w[4];
     const float *s[4];
     __m512 acc[4][2], dd[4];
     for (int r = 0; r < R; r++) {
-        w[r] = m->data + (row0 + r) * m->row_bytes;
-        s[r] = ms_int4_scale_row(m, row0 + r);
+        w[r] = m->data + (row0 + r * step) * m->row_bytes;
+        s[r] = ms_int4_scale_row(m, row0 + r * step);
         acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     }
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
@@ -177,24 +177,48 @@ static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix
         if (k < n) /* the last block of an odd count */
             for (int r = 0; r < R; r++) int4_last(one_nibbles(w[r] + 16 * (b0 + k)), x, b0 + k, k, dd[r], acc[r]);
     }
-    for (int r = 0; r < R; r++) out[r] = finish2(acc[r][0], acc[r][1]);
+    for (int r = 0; r < R; r++) out[r * step] = finish2(acc[r][0], acc[r][1]);
 }
 
-/* One row at a time: the weights and scales of a tile stream in order, which from memory beats several
- * rows sharing the activation loads (two threads, 4096x14336: 86% of the memory read against 80% for two
- * rows at once; 3584x3072: 100% against 79% for four, with the read at ~47 GB/s). */
-static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+/* Rows one after another: the weights and scales of a tile stream in order, which from memory beats several
+ * consecutive rows sharing the activation loads (two threads, 4096x14336: 86% of the memory read against
+ * 80% for two rows at once; 3584x3072: 100% against 79% for four, with the read at ~47 GB/s). With
+ * ms_weight_streams() four, a run's rows i, q + i, 2q + i, 3q + i (q = nrows / 4) are taken at once, each
+ * stream prefetched ahead_rows of its rows on (as rows_streams). Activations and lane offsets of more than
+ * 16 KB are made instead of loaded (int4_pair_of's wide). */
+static inline __attribute__((always_inline)) VNNI void int4_run(const ms_matrix *m, int64_t row0, int64_t nrows,
+                                                           const float *xp, float *out, const int wide, int four) {
     const int64_t nb = m->cols / 32;
     const ms_int4x x = ms_int4x_at(xp, nb);
     /* prefetch at least 16 KB ahead (narrow rows: 7168x2048 at two threads, read ~80 GB/s, 72% -> ~86%) */
     const int64_t ahead_rows = prefetch_rows(m->row_bytes, 1, 4);
-    if (nb * MS_INT4X_BYTES > 16384)
-        for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, &x, nb, ahead_rows, 1, out + r);
+    const int64_t q = four ? nrows / 4 : 0;
+    for (int64_t i = 0; i < q; i++) int4_rows(m, row0 + i, 4, q, &x, nb, ahead_rows, wide, out + i);
+    for (int64_t r = 4 * q; r < nrows; r++) int4_rows(m, row0 + r, 1, 1, &x, nb, ahead_rows, wide, out + r);
+}
+
+static VNNI void int4_decode(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out, int four) {
+    if ((m->cols / 32) * MS_INT4X_BYTES > 16384)
+        int4_run(m, row0, nrows, xp, out, 1, four);
     else
-        for (int r = 0; r < nrows; r++) int4_rows(m, row0 + r, 1, &x, nb, ahead_rows, 0, out + r);
+        int4_run(m, row0, nrows, xp, out, 0, four);
+}
+
+/* A tile: its rows one after another. */
+static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    int4_decode(m, row0, nrows, xp, out, 0);
 }
 
 VNNI_OR_AVX2(int4)
+
+/* int4 decode over a run of rows; without VNNI the AVX2 kernel tile by tile. */
+void ms_rows_int4_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+    if (ms_use_vnni())
+        int4_decode(m, row0, nrows, xp, out, ms_weight_streams() == 4);
+    else
+        for (int64_t r = 0; r < nrows; r += 4)
+            ms_dot4_int4_avx2(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r);
+}
 
 /* nt tokens (a constant, 1..4) against the tile's rows, row by row: each pair of blocks' nibbles made once
  * and multiplied against every token, each token's accumulators, scale products and tails those of
@@ -271,28 +295,79 @@ static inline __attribute__((always_inline)) VNNI __m512i q8_dot(__m512i w, __m5
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), sx);
 }
 
-static VNNI void q8_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_0x *x = (const ms_q8_0x *)xp;
-    int64_t nb = m->cols / 32;
-    for (int r = 0; r < nrows; r++) {
+/* Blocks b, b + 1 of the q8_0 row whose block b is at w, into acc. */
+static inline __attribute__((always_inline)) VNNI __m512 q8_pair(const uint8_t *w, const ms_q8_0x *x, int64_t b,
+                                                            __m512 acc) {
+    __m512i s = q8_dot(pair_of(w + 2, w + 36), pair_of(x[b].q, x[b + 1].q));
+    __m512 dd = _mm512_mask_broadcastss_ps(_mm512_set1_ps(h2f(w) * x[b].d), (__mmask16)0xFF00,
+                                           _mm_set_ss(h2f(w + 34) * x[b + 1].d));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc);
+}
+
+/* A row's sum from its accumulator: the last block b of an odd count (an even block, the low half) at w
+ * added first. */
+static inline __attribute__((always_inline)) VNNI float q8_finish(const uint8_t *w, const ms_q8_0x *x, int64_t b,
+                                                             int64_t nb, __m512 acc) {
+    if (b < nb) {
+        __m512i wq = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2)));
+        __m512i xq = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x[b].q));
+        __m512 s = _mm512_cvtepi32_ps(q8_dot(wq, xq));
+        acc = _mm512_mask3_fmadd_ps(s, _mm512_set1_ps(h2f(w) * x[b].d), acc, (__mmask16)0x00FF);
+    }
+    return finish(acc);
+}
+
+/* Rows one after another, each prefetched 4 rows ahead. */
+static inline __attribute__((always_inline)) VNNI void q8_0_one_stream(const ms_matrix *m, int64_t row0,
+                                                                  int64_t nrows, const ms_q8_0x *x, float *out) {
+    const int64_t nb = m->cols / 32;
+    for (int64_t r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m512 acc = _mm512_setzero_ps();
         int64_t b = 0;
         for (; b + 2 <= nb; b += 2, w += 68) {
             prefetch_ahead(w, 4 * m->row_bytes, 68);
-            __m512i s = q8_dot(pair_of(w + 2, w + 36), pair_of(x[b].q, x[b + 1].q));
-            __m512 dd = _mm512_mask_broadcastss_ps(_mm512_set1_ps(h2f(w) * x[b].d), (__mmask16)0xFF00,
-                                                   _mm_set_ss(h2f(w + 34) * x[b + 1].d));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc);
+            acc = q8_pair(w, x, b, acc);
         }
-        if (b < nb) { /* the last block of an odd count: an even block, the low half */
-            __m512i wq = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2)));
-            __m512i xq = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x[b].q));
-            __m512 s = _mm512_cvtepi32_ps(q8_dot(wq, xq));
-            acc = _mm512_mask3_fmadd_ps(s, _mm512_set1_ps(h2f(w) * x[b].d), acc, (__mmask16)0x00FF);
-        }
-        out[r] = finish(acc);
+        out[r] = q8_finish(w, x, b, nb, acc);
     }
+}
+
+static VNNI void q8_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    q8_0_one_stream(m, row0, nrows, (const ms_q8_0x *)xp, out);
+}
+
+/* A run of rows against one token in ms_weight_streams() streams, as rows_streams: with four, rows i,
+ * q + i, 2q + i, 3q + i (q = nrows / 4) a pair of blocks of each in turn, each stream prefetched 8 pairs
+ * ahead; each row's sum the one-stream kernel's. */
+static VNNI void q8_0_rows_vnni(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+    const ms_q8_0x *x = (const ms_q8_0x *)xp;
+    const int64_t q = ms_weight_streams() == 4 ? nrows / 4 : 0, nb = m->cols / 32;
+    for (int64_t i = 0; i < q; i++) {
+        const uint8_t *w[4];
+        __m512 acc[4];
+        for (int s = 0; s < 4; s++) {
+            w[s] = m->data + (row0 + s * q + i) * m->row_bytes;
+            acc[s] = _mm512_setzero_ps();
+        }
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2)
+            for (int s = 0; s < 4; s++) {
+                prefetch_ahead(w[s] + 34 * b, 8 * 68, 68);
+                acc[s] = q8_pair(w[s] + 34 * b, x, b, acc[s]);
+            }
+        for (int s = 0; s < 4; s++) out[s * q + i] = q8_finish(w[s] + 34 * b, x, b, nb, acc[s]);
+    }
+    q8_0_one_stream(m, row0 + 4 * q, nrows - 4 * q, x, out + 4 * q);
+}
+
+/* q8_0 decode over a run of rows; without VNNI the AVX2 kernel tile by tile. */
+void ms_rows_q8_0_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+    if (ms_use_vnni())
+        q8_0_rows_vnni(m, row0, nrows, xp, out);
+    else
+        for (int64_t r = 0; r < nrows; r += 4)
+            ms_dot4_q8_0_avx2(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r);
 }
 
 VNNI_OR_AVX2(q8_0)
