@@ -7,7 +7,7 @@ either side of it, and the cell shows the medians over its rounds. Each run cycl
 of the matrix (>= 1 GB) that the weights come from memory, as in decode.
 
     python3 benchmarks/kernels.py [--formats bf16,q4_k,...] [--seconds 0.2] [--rounds 5] [--isa avx2]
-                                  [--weight-streams 1]
+                                  [--weight-streams 1] [--prefetch-level 1]
 
 --isa runs the kernels of a lesser instruction set than the CPU's best (scalar, avx2), e.g. to see on an
 AVX-512 machine how the AVX2 kernels that AVX2-only CPUs run compare with the read.
@@ -66,11 +66,16 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--isa", choices=_C.supported_isas(), default=_C.get_isa())
-    ap.add_argument("--weight-streams", type=int, choices=(1, 4), default=_C.get_weight_streams())
+    ap.add_argument("--weight-streams", type=int, choices=(0, 1, 4), default=0, help="0: chosen per product")
+    ap.add_argument("--prefetch-level", type=int, choices=(1, 2), default=_C.get_prefetch_level())
     args = ap.parse_args()
     _C.set_isa(args.isa)
     _C.set_weight_streams(args.weight_streams)
-    print(f"machine: {machine()}\ncommit: {commit()}\nkernels: {args.isa}, weight streams: {args.weight_streams}\n")
+    _C.set_prefetch_level(args.prefetch_level)
+    print(f"machine: {machine()}\ncommit: {commit()}")
+    streams = args.weight_streams or "chosen per product"
+    print(f"kernels: {args.isa}, weight streams: {streams}, int4/mxfp4 prefetch into L{args.prefetch_level}")
+    print(f"(L1d {_C.l1d_bytes() // 1024} KB: see ms_weight_streams_for in csrc/matmul.c)\n")
     buf = np.ones(1 << 30, np.uint8)
 
     def read_now(t: int) -> float:

@@ -3,6 +3,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <immintrin.h>
 
 #include "threadpool.h"
@@ -36,23 +37,56 @@ int ms_level_supported(ms_level level) {
     }
 }
 
-/* Weight streams a thread reads at once in the decode kernels that can take several (ms_weight_streams):
- * 4 on Intel, whose per-stream prefetchers keep more lines in flight for four interleaved streams (Xeon
- * Sapphire Rapids: a plain read 11.8 -> 18.6 GB/s on one thread), else 1 (Zen 5 reads fastest in one). */
-static int weight_streams = 1;
+/* Weight streams a thread reads at once in the decode kernels that can take several
+ * (ms_weight_streams_for), and where the int4 and mxfp4 decode kernels prefetch to (ms_prefetch_level).
+ * Four streams suit Intel, whose per-stream prefetchers keep more lines in flight for four interleaved
+ * streams (Xeon Sapphire Rapids: a plain read 11.8 -> 18.6 GB/s on one thread), and wide rows on a small
+ * L1: there a token's activations (q8_0 16 KB at 14336 columns, q6_k 32 KB) and a window of lines
+ * prefetched into L1 do not fit together, and four rows taking each block of activations in turn keep only
+ * that block near. Zen 4 (L1d 32 KB), in-process A/B of one stream against four, one / two threads:
+ * 4096x14336 q8_0 1.66 / 1.35x, q4_k 1.26 / 1.23x, q6_k 1.69 / 1.52x, int4 1.3-1.45x; but with narrow rows
+ * (2048, 3072 columns: 2-7 KB of activations) two threads lost 5-17% (q4_k, q6_k), and the gain starts
+ * between 8 KB (q8_0 at 9216 columns 1.28 / 1.13x) and 16 KB (q6_k at 5120 columns, 11.5 KB, 1.07 /
+ * 0.97x; at 7168, 16 KB, 1.11 / 1.11x). For the same reason int4 and mxfp4, which prefetch 16 KB or more
+ * ahead, do better prefetching into L2 there (int4 1.13-1.45x at every shape, mxfp4 1.04-1.51x); q4_k and
+ * q6_k, which in four streams prefetch 4 blocks ahead, lose by L2 prefetches (0.73-1.0x). Zen 5 (48 KB)
+ * reads fastest in one stream with L1 prefetches. */
+static int weight_streams = 0, prefetch_level = 1, intel = 0;
+static long l1d_bytes = 0;
 
 int ms_weight_streams(void) { return weight_streams; }
 
 int ms_set_weight_streams(int n) {
-    if (n != 1 && n != 4) return -1;
+    if (n != 0 && n != 1 && n != 4) return -1;
     weight_streams = n;
     return 0;
 }
 
+int ms_weight_streams_for(int64_t x_bytes) {
+    if (weight_streams) return weight_streams;
+    const int small_l1 = l1d_bytes > 0 && l1d_bytes < 48 * 1024;
+    return intel || (small_l1 && 8 * x_bytes > 3 * (int64_t)l1d_bytes) ? 4 : 1;
+}
+
+int ms_prefetch_level(void) { return prefetch_level; }
+
+int ms_set_prefetch_level(int level) {
+    if (level != 1 && level != 2) return -1;
+    prefetch_level = level;
+    return 0;
+}
+
+long ms_l1d_bytes(void) { return l1d_bytes; }
+
 void ms_init(void) {
     ms_quant_init();
     __builtin_cpu_init();
-    weight_streams = __builtin_cpu_is("intel") ? 4 : 1;
+#ifdef _SC_LEVEL1_DCACHE_SIZE
+    l1d_bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    if (l1d_bytes < 0) l1d_bytes = 0;
+#endif
+    intel = __builtin_cpu_is("intel");
+    prefetch_level = l1d_bytes > 0 && l1d_bytes < 48 * 1024 ? 2 : 1;
     for (int l = MS_NUM_LEVELS - 1; l >= 0; l--)
         if (ms_set_level((ms_level)l) == 0) break;
 }

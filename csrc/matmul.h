@@ -23,9 +23,18 @@ int ms_level_supported(ms_level level);
 ms_level ms_get_level(void);
 int ms_set_level(ms_level level); /* 0 on success, -1 if this CPU lacks it */
 /* How many runs of rows a thread's decode kernels read at once, block by block in turn, where a format has
- * such a kernel (1 or 4; the same bits either way): 4 on Intel CPUs, 1 elsewhere, until set. */
-int ms_weight_streams(void);
-int ms_set_weight_streams(int n); /* 0; -1 unless n is 1 or 4 */
+ * such a kernel (1 or 4; the same bits either way), for a token whose prepared activations take x_bytes:
+ * as set, or automatically (the default, setting 0) 4 on Intel CPUs and, where the L1 data cache is
+ * smaller than 48 KB, for activations of more than 3/8 of it; else 1. */
+int ms_weight_streams_for(int64_t x_bytes);
+int ms_weight_streams(void);      /* the setting: 0 automatic, 1 or 4 */
+int ms_set_weight_streams(int n); /* 0; -1 unless n is 0, 1 or 4 */
+/* The cache level (1 or 2) into which the int4 and mxfp4 decode kernels prefetch the weights they read
+ * next, kilobytes ahead (the same bits either way): 2 where the L1 data cache is smaller than 48 KB, else
+ * 1, until set. */
+int ms_prefetch_level(void);
+int ms_set_prefetch_level(int level); /* 0; -1 unless level is 1 or 2 */
+long ms_l1d_bytes(void);               /* the L1 data cache per core as the C library reports it; 0 unknown */
 int ms_use_vnni(void);            /* the AVX-512 integer kernels take their VNNI paths */
 int ms_use_vbmi(void);            /* and mxfp4's its VBMI path */
 

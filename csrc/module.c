@@ -290,21 +290,50 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     return NULL;
 }
 
-static PyObject *py_set_weight_streams(PyObject *self, PyObject *args) {
-    (void)self;
-    int n;
-    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
-    if (ms_set_weight_streams(n) < 0) {
-        PyErr_Format(PyExc_ValueError, "weight streams must be 1 or 4, not %d", n);
+/* A kernel setting from one int argument: set(value) < 0 refuses it with ValueError(what, value). */
+static PyObject *set_setting(PyObject *args, int (*set)(int), const char *what) {
+    int value;
+    if (!PyArg_ParseTuple(args, "i", &value)) return NULL;
+    if (set(value) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s, not %d", what, value);
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *py_set_weight_streams(PyObject *self, PyObject *args) {
+    (void)self;
+    return set_setting(args, ms_set_weight_streams, "weight streams must be 0 (automatic), 1 or 4");
+}
+
+static PyObject *py_set_prefetch_level(PyObject *self, PyObject *args) {
+    (void)self;
+    return set_setting(args, ms_set_prefetch_level, "the prefetch level must be 1 or 2");
+}
+
+static PyObject *py_weight_streams_for(PyObject *self, PyObject *args) {
+    (void)self;
+    long long x_bytes;
+    if (!PyArg_ParseTuple(args, "L", &x_bytes)) return NULL;
+    return PyLong_FromLong(ms_weight_streams_for(x_bytes));
 }
 
 static PyObject *py_get_weight_streams(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
     return PyLong_FromLong(ms_weight_streams());
+}
+
+static PyObject *py_get_prefetch_level(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromLong(ms_prefetch_level());
+}
+
+static PyObject *py_l1d_bytes(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromLong(ms_l1d_bytes());
 }
 
 static PyObject *py_supported_isas(PyObject *self, PyObject *args) {
@@ -624,8 +653,17 @@ static PyMethodDef methods[] = {
     {"set_isa", py_set_isa, METH_VARARGS,
      "set_isa(name): force scalar, avx2, avx512 (integer kernels without VNNI), avx512vnni or avx512vbmi"},
     {"set_weight_streams", py_set_weight_streams, METH_VARARGS,
-     "set_weight_streams(n): runs of rows a thread's decode kernels read at once, 1 or 4 (the same bits)"},
-    {"get_weight_streams", py_get_weight_streams, METH_NOARGS, "see set_weight_streams; 4 on Intel, else 1"},
+     "set_weight_streams(n): runs of rows a thread's decode kernels read at once, 1 or 4, or 0: chosen for "
+     "each product (the default; the same bits either way)"},
+    {"get_weight_streams", py_get_weight_streams, METH_NOARGS, "the setting of set_weight_streams"},
+    {"weight_streams_for", py_weight_streams_for, METH_VARARGS,
+     "weight_streams_for(x_bytes): the streams of a product whose token's prepared activations take x_bytes"},
+    {"set_prefetch_level", py_set_prefetch_level, METH_VARARGS,
+     "set_prefetch_level(level): the cache level, 1 or 2, that the int4 and mxfp4 decode kernels prefetch "
+     "into (the same bits)"},
+    {"get_prefetch_level", py_get_prefetch_level, METH_NOARGS,
+     "see set_prefetch_level; 2 where the L1 data cache is under 48 KB, else 1"},
+    {"l1d_bytes", py_l1d_bytes, METH_NOARGS, "the L1 data cache per core as the C library reports it (0: unknown)"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "the kernel paths this CPU supports, the best last"},
     {"formats", py_formats, METH_NOARGS, "the format table: (name, block, block_bytes) per format id"},
     {NULL, NULL, 0, NULL},

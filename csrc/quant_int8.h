@@ -1,6 +1,7 @@
 /* Activation blocks for the integer dot kernels (quant_int8*.c). */
 #ifndef MOESTREAM_QUANT_INT8_H
 #define MOESTREAM_QUANT_INT8_H
+#include <immintrin.h>
 #include <stdint.h>
 
 #include "quant.h"
@@ -89,6 +90,15 @@ float ms_q4_k_min_reduce(const float fmin[4]); /* (m0 + m1) + (m2 + m3) */
 static inline int64_t prefetch_rows(int64_t row_bytes, int64_t step, int64_t min_rows) {
     const int64_t rows = step * ((16384 + step * row_bytes - 1) / (step * row_bytes));
     return rows > min_rows ? rows : min_rows;
+}
+
+/* The line at p asked for into L1, or with l2 (a constant where this is inlined) into L2 only: the far
+ * prefetches of the int4 and mxfp4 decode kernels, as ms_prefetch_level() says. */
+static inline __attribute__((always_inline)) void prefetch_line(const void *p, const int l2) {
+    if (l2)
+        _mm_prefetch((const char *)p, _MM_HINT_T1);
+    else
+        _mm_prefetch((const char *)p, _MM_HINT_T0);
 }
 
 #endif

@@ -142,7 +142,8 @@ static inline __attribute__((always_inline)) VNNI void int4_last(__m256i nib, co
  * share each activation load. */
 static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix *m, int64_t row0, const int R,
                                                             int64_t step, const ms_int4x *x, int64_t nb,
-                                                            int64_t ahead_rows, const int wide, float *out) {
+                                                            int64_t ahead_rows, const int wide, const int l2,
+                                                            float *out) {
     const int64_t ahead = ahead_rows * m->row_bytes;
     const uint8_t *w[4];
     const float *s[4];
@@ -156,20 +157,20 @@ static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix
         const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
         const __mmask16 km = (__mmask16)((1u << n) - 1);
         for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(s[r] + b0 + ahead_rows * nb), _MM_HINT_T0); /* the scales as far ahead */
+            prefetch_line(s[r] + b0 + ahead_rows * nb, l2); /* the scales as far ahead */
             dd[r] = n == 16 ? _mm512_mul_ps(_mm512_loadu_ps(s[r] + b0), _mm512_loadu_ps(x->d + b0))
                             : _mm512_mul_ps(_mm512_maskz_loadu_ps(km, s[r] + b0), _mm512_maskz_loadu_ps(km, x->d + b0));
         }
         int k = 0;
         for (; k + 4 <= n; k += 4)
             for (int r = 0; r < R; r++) {
-                _mm_prefetch((const char *)(w[r] + 16 * (b0 + k) + ahead), _MM_HINT_T0);
+                prefetch_line(w[r] + 16 * (b0 + k) + ahead, l2);
                 acc[r][0] = int4_pair(w[r], x, b0 + k, k, dd[r], acc[r][0], wide);
                 acc[r][1] = int4_pair(w[r], x, b0 + k + 2, k + 2, dd[r], acc[r][1], wide);
             }
         if (k + 2 <= n) {
             for (int r = 0; r < R; r++) {
-                _mm_prefetch((const char *)(w[r] + 16 * (b0 + k) + ahead), _MM_HINT_T0);
+                prefetch_line(w[r] + 16 * (b0 + k) + ahead, l2);
                 acc[r][0] = int4_pair(w[r], x, b0 + k, k, dd[r], acc[r][0], wide);
             }
             k += 2;
@@ -183,25 +184,27 @@ static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix
 /* Rows one after another: the weights and scales of a tile stream in order, which from memory beats several
  * consecutive rows sharing the activation loads (two threads, 4096x14336: 86% of the memory read against
  * 80% for two rows at once; 3584x3072: 100% against 79% for four, with the read at ~47 GB/s). With
- * ms_weight_streams() four, a run's rows i, q + i, 2q + i, 3q + i (q = nrows / 4) are taken at once, each
+ * ms_weight_streams_for() four, a run's rows i, q + i, 2q + i, 3q + i (q = nrows / 4) are taken at once, each
  * stream prefetched ahead_rows of its rows on (as rows_streams). Activations and lane offsets of more than
- * 16 KB are made instead of loaded (int4_pair_of's wide). */
+ * 16 KB are made instead of loaded (int4_pair_of's wide). l2: the prefetches go to L2 (ms_prefetch_level). */
 static inline __attribute__((always_inline)) VNNI void int4_run(const ms_matrix *m, int64_t row0, int64_t nrows,
-                                                           const float *xp, float *out, const int wide, int four) {
+                                                           const float *xp, float *out, const int wide,
+                                                           const int l2, int four) {
     const int64_t nb = m->cols / 32;
     const ms_int4x x = ms_int4x_at(xp, nb);
     /* prefetch at least 16 KB ahead (narrow rows: 7168x2048 at two threads, read ~80 GB/s, 72% -> ~86%) */
     const int64_t ahead_rows = prefetch_rows(m->row_bytes, 1, 4);
     const int64_t q = four ? nrows / 4 : 0;
-    for (int64_t i = 0; i < q; i++) int4_rows(m, row0 + i, 4, q, &x, nb, ahead_rows, wide, out + i);
-    for (int64_t r = 4 * q; r < nrows; r++) int4_rows(m, row0 + r, 1, 1, &x, nb, ahead_rows, wide, out + r);
+    for (int64_t i = 0; i < q; i++) int4_rows(m, row0 + i, 4, q, &x, nb, ahead_rows, wide, l2, out + i);
+    for (int64_t r = 4 * q; r < nrows; r++) int4_rows(m, row0 + r, 1, 1, &x, nb, ahead_rows, wide, l2, out + r);
 }
 
 static VNNI void int4_decode(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out, int four) {
-    if ((m->cols / 32) * MS_INT4X_BYTES > 16384)
-        int4_run(m, row0, nrows, xp, out, 1, four);
+    const int wide = (m->cols / 32) * MS_INT4X_BYTES > 16384, l2 = ms_prefetch_level() == 2;
+    if (wide)
+        l2 ? int4_run(m, row0, nrows, xp, out, 1, 1, four) : int4_run(m, row0, nrows, xp, out, 1, 0, four);
     else
-        int4_run(m, row0, nrows, xp, out, 0, four);
+        l2 ? int4_run(m, row0, nrows, xp, out, 0, 1, four) : int4_run(m, row0, nrows, xp, out, 0, 0, four);
 }
 
 /* A tile: its rows one after another. */
@@ -214,7 +217,7 @@ VNNI_OR_AVX2(int4)
 /* int4 decode over a run of rows; without VNNI the AVX2 kernel tile by tile. */
 void ms_rows_int4_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     if (ms_use_vnni())
-        int4_decode(m, row0, nrows, xp, out, ms_weight_streams() == 4);
+        int4_decode(m, row0, nrows, xp, out, ms_weight_streams_for((m->cols / 32) * MS_INT4X_BYTES) == 4);
     else
         for (int64_t r = 0; r < nrows; r += 4)
             ms_dot4_int4_avx2(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r);
@@ -337,12 +340,12 @@ static VNNI void q8_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
     q8_0_one_stream(m, row0, nrows, (const ms_q8_0x *)xp, out);
 }
 
-/* A run of rows against one token in ms_weight_streams() streams, as rows_streams: with four, rows i,
+/* A run of rows against one token in ms_weight_streams_for() streams, as rows_streams: with four, rows i,
  * q + i, 2q + i, 3q + i (q = nrows / 4) a pair of blocks of each in turn, each stream prefetched 8 pairs
  * ahead; each row's sum the one-stream kernel's. */
 static VNNI void q8_0_rows_vnni(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     const ms_q8_0x *x = (const ms_q8_0x *)xp;
-    const int64_t q = ms_weight_streams() == 4 ? nrows / 4 : 0, nb = m->cols / 32;
+    const int64_t nb = m->cols / 32, q = ms_weight_streams_for(nb * (int64_t)sizeof(ms_q8_0x)) == 4 ? nrows / 4 : 0;
     for (int64_t i = 0; i < q; i++) {
         const uint8_t *w[4];
         __m512 acc[4];
@@ -583,7 +586,7 @@ static inline __attribute__((always_inline)) void rows_one_stream(const ms_matri
     }
 }
 
-/* The same rows with the same sums, read as ms_weight_streams() streams: with four, the run is taken as four
+/* The same rows with the same sums, read as ms_weight_streams_for() streams: with four, the run is taken as four
  * runs of consecutive rows whose blocks are read in turn, one block of each, each prefetched 4 blocks
  * ahead, so that four streams are in flight at once, which the prefetchers of Intel CPUs follow each on
  * its own; the rows left over (fewer than four) and the case of one stream as rows_one_stream. */
@@ -591,7 +594,7 @@ static inline __attribute__((always_inline)) void rows_streams(const ms_matrix *
                                                                const char *xp, float *out, int bytes, int x_bytes,
                                                                int64_t ahead, block_fn block, finish_fn finish,
                                                                const void *consts) {
-    const int64_t q = ms_weight_streams() == 4 ? nrows / 4 : 0, nb = m->cols / 256;
+    const int64_t nb = m->cols / 256, q = ms_weight_streams_for(nb * x_bytes) == 4 ? nrows / 4 : 0;
     for (int64_t i = 0; i < q; i++) {
         const uint8_t *w[4];
         row_lanes a[4];

@@ -54,16 +54,17 @@ static inline float finish4(__m512 acc) {
  * operand from memory); four rows at once in cache, one thread, 7.2 -> 5.9 cycles a row's group of four
  * blocks, and prefill 7-13% faster. */
 static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8_t *const w[8], const int R, int64_t b,
-                                                                int k, int g, int64_t ahead, const ms_mxfp4x *x,
-                                                                const __m512i ulut, const __m512 dd[8], __m512 acc[8]) {
+                                                                int k, int g, int64_t ahead, const int l2,
+                                                                const ms_mxfp4x *x, const __m512i ulut,
+                                                                const __m512 dd[8], __m512 acc[8]) {
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     /* block c's scale product in 128-bit lane c */
     const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(k), quad);
     /* The tile ahead_rows rows on, in address order: its R rows are contiguous, and a group takes 64 bytes of
      * each row, so R lines a group cover it by the end of this tile. Four rows at once, prefetched as four
      * streams (each row at the same column), ran at 78-86% of the read from memory (two threads,
-     * 4096x14336, read ~45 GB/s) and one stream at 86-91%; one thread 69% -> 82% */
-    for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w[0] + ahead + R * 16 * b + 64 * r), _MM_HINT_T0);
+     * 4096x14336, read ~45 GB/s) and one stream at 86-91%; one thread 69% -> 82%. Into L2 with l2. */
+    for (int r = 0; r < R; r++) prefetch_line(w[0] + ahead + R * 16 * b + 64 * r, l2);
     int8_t *const q[3] = {x->p0 + 32 * b, x->p1 + 32 * b, x->p2 + 32 * b};
     __m512i p[6], noff;
     if (g == 4) {
@@ -93,7 +94,8 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8
 
 static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_matrix *m, int64_t row0, const int R,
                                                                const ms_mxfp4x *x, int64_t nb, int64_t ahead_rows,
-                                                               int32_t nan_bits, const __m512i ulut, float *out) {
+                                                               const int l2, int32_t nan_bits, const __m512i ulut,
+                                                               float *out) {
     const uint8_t *w[8], *s[8];
     __m512 acc[8], dd[8];
     for (int r = 0; r < R; r++) {
@@ -107,7 +109,7 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_mat
         __mmask16 km = (__mmask16)((1u << n) - 1);
         __m512 xd = n == 16 ? _mm512_loadu_ps(x->d + b0) : _mm512_maskz_loadu_ps(km, x->d + b0);
         for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(s[r] + b0 + ahead_rows * nb), _MM_HINT_T0);
+            prefetch_line(s[r] + b0 + ahead_rows * nb, l2);
             __m128i s8 = n == 16 ? _mm_loadu_si128((const __m128i *)(s[r] + b0)) : _mm_maskz_loadu_epi8(km, s[r] + b0);
             dd[r] = e8m0_scale16(s8, nan_bits, xd);
         }
@@ -116,9 +118,10 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_mat
                         * ~80 GB/s 7168x2048 45 -> 54 GB/s, with the read at ~50 the same; by four, one row
                         * from memory fell to 64% of the read (70% as before) */
 #pragma GCC unroll 2
-            for (int k = 0; k < 16; k += 4) mx_group(w, R, b0 + k, k, 4, ahead, x, ulut, dd, acc);
+            for (int k = 0; k < 16; k += 4) mx_group(w, R, b0 + k, k, 4, ahead, l2, x, ulut, dd, acc);
         } else {
-            for (int k = 0; k < n; k += 4) mx_group(w, R, b0 + k, k, n - k < 4 ? n - k : 4, ahead, x, ulut, dd, acc);
+            for (int k = 0; k < n; k += 4)
+                mx_group(w, R, b0 + k, k, n - k < 4 ? n - k : 4, ahead, l2, x, ulut, dd, acc);
         }
     }
     for (int r = 0; r < R; r++) out[r] = finish4(acc[r]);
@@ -141,17 +144,18 @@ static inline __m512i mx_consts(int32_t *nan_bits) {
  * A/B runs in turn): one thread 7168x2048 75-78 -> 81-83% of the read, 3584x3072 72-78 -> 83-88%, and two
  * threads with the read at ~75 GB/s 73 -> 77%. */
 static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_matrix *m, int64_t row0, int nrows,
-                                                                  const float *xp, float *out, const int prefill) {
+                                                                  const float *xp, float *out, const int prefill,
+                                                                  const int l2) {
     int64_t nb = m->cols / 32;
     ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
     int32_t nan_bits;
     const __m512i ulut = mx_consts(&nan_bits);
     if (nrows == 4) {
-        mx_rows(m, row0, 4, &x, nb, prefill ? 4 : prefetch_rows(m->row_bytes, 4, 4), nan_bits, ulut, out);
+        mx_rows(m, row0, 4, &x, nb, prefill ? 4 : prefetch_rows(m->row_bytes, 4, 4), l2, nan_bits, ulut, out);
         return;
     }
     const int64_t ahead_rows = prefill ? 4 : prefetch_rows(m->row_bytes, 1, 1);
-    for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, ahead_rows, nan_bits, ulut, out + r);
+    for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, ahead_rows, l2, nan_bits, ulut, out + r);
 }
 
 /* Decode of a run of rows. A token whose activations pass MX_EIGHT_ROWS_BYTES (rows wider than 9024
@@ -161,9 +165,11 @@ static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_
  * -> 81-88% of the read, never less. In a C harness the gain moved with where the buffers lay (+9% at one
  * placement, none with random offsets). Narrower rows lose by it (harness: 7168x2048 -7%, 3584x3072
  * -10%) and run tile by tile. Each row's arithmetic is the same whatever the rows beside it, so the bits
- * are those of a tile alone. */
+ * are those of a tile alone. With l2 the prefetches go to L2 (ms_prefetch_level). */
 #define MX_EIGHT_ROWS_BYTES 32768
-static MX_TARGET void mx_decode_rows(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+static inline __attribute__((always_inline)) MX_TARGET void mx_decode(const ms_matrix *m, int64_t row0,
+                                                                 int64_t nrows, const float *xp, float *out,
+                                                                 const int l2) {
     const int64_t nb = m->cols / 32;
     int64_t r = 0;
     if (nb * MS_MXFP4X_BYTES > MX_EIGHT_ROWS_BYTES && nrows >= 8) {
@@ -171,13 +177,20 @@ static MX_TARGET void mx_decode_rows(const ms_matrix *m, int64_t row0, int64_t n
         int32_t nan_bits;
         const __m512i ulut = mx_consts(&nan_bits);
         const int64_t ahead_rows = prefetch_rows(m->row_bytes, 8, 8);
-        for (; r + 8 <= nrows; r += 8) mx_rows(m, row0 + r, 8, &x, nb, ahead_rows, nan_bits, ulut, out + r);
+        for (; r + 8 <= nrows; r += 8) mx_rows(m, row0 + r, 8, &x, nb, ahead_rows, l2, nan_bits, ulut, out + r);
     }
-    for (; r < nrows; r += 4) mxfp4_tile(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r, 0);
+    for (; r < nrows; r += 4) mxfp4_tile(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r, 0, l2);
+}
+
+static MX_TARGET void mx_decode_rows(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+    if (ms_prefetch_level() == 2)
+        mx_decode(m, row0, nrows, xp, out, 1);
+    else
+        mx_decode(m, row0, nrows, xp, out, 0);
 }
 
 /* For prefill: four rows at once whatever their width; the tile is in cache after the first token, where
  * sharing each activation load among four rows beats streaming one row. */
 static MX_TARGET void mx_prefill(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    mxfp4_tile(m, row0, nrows, xp, out, 1);
+    mxfp4_tile(m, row0, nrows, xp, out, 1, 0);
 }

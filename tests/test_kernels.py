@@ -104,27 +104,53 @@ def test_matmul_independent_of_threads_and_batch(isa, fmt):
 
 @pytest.fixture
 def weight_streams():
-    before = _C.get_weight_streams()
+    before = _C.get_weight_streams(), _C.get_prefetch_level()
     yield _C.set_weight_streams
-    _C.set_weight_streams(before)
+    _C.set_weight_streams(before[0])
+    _C.set_prefetch_level(before[1])
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [3, 17, 64, 203])
 def test_decode_same_bits_in_one_or_four_weight_streams(isa, weight_streams, fmt, rows):
-    """A thread's rows read as four interleaved runs (Intel's default) give each row the bits it has when
-    read one after another, and when it is one of a batch of tokens."""
+    """A thread's rows read as four interleaved runs (Intel's default, and a small L1's for wide rows) give each row
+    the bits it has when read one after another, and when it is one of a batch of tokens; and so do the
+    int4 and mxfp4 kernels prefetching into L2 (the default on a small L1) or into L1."""
     w = make_weight(fmt, *shape_for(fmt, (rows, 1100)))
     x = np.random.default_rng(3).standard_normal((5, w.cols)).astype(np.float32)
     base = w.matmul(x, threads=1)
     for n in (1, 4):
         weight_streams(n)
-        for threads in (1, 2, 3):
-            for t in (0, 4):
-                assert w.matmul(x[t : t + 1], threads=threads).tobytes() == base[t : t + 1].tobytes(), (n, threads)
-    for n in (0, 2, 8):
+        for level in (1, 2):
+            _C.set_prefetch_level(level)
+            for threads in (1, 2, 3):
+                for t in (0, 4):
+                    got = w.matmul(x[t : t + 1], threads=threads)
+                    assert got.tobytes() == base[t : t + 1].tobytes(), (n, level, threads)
+    for n in (-1, 2, 8):
         with pytest.raises(ValueError, match="1 or 4"):
             weight_streams(n)
+    for level in (0, 3):
+        with pytest.raises(ValueError, match="1 or 2"):
+            _C.set_prefetch_level(level)
+
+
+def test_weight_streams_and_prefetch_level_follow_the_l1_and_the_cpu(weight_streams):
+    """Automatically, four weight streams on Intel, and where the L1 data cache is under 48 KB for a token's
+    activations of more than 3/8 of it (the tuning measured on Zen 4's 32 KB), else one; L2 prefetches
+    where the L1 is under 48 KB. A setting of 1 or 4 holds for every product."""
+    l1 = _C.l1d_bytes()
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    small = 0 < l1 < 48 * 1024
+    weight_streams(0)
+    for x_bytes in (0, 2048, 3 * l1 // 8, 3 * l1 // 8 + 1, 1 << 20):
+        wide = small and 8 * x_bytes > 3 * l1
+        assert _C.weight_streams_for(x_bytes) == (4 if intel or wide else 1), x_bytes
+    assert _C.get_prefetch_level() == (2 if small else 1)
+    for n in (1, 4):
+        weight_streams(n)
+        assert {_C.weight_streams_for(b) for b in (0, 2048, 1 << 20)} == {n}
 
 
 def test_matmul_many_equals_each_product_alone(isa):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import moestream
+from moestream import _C
 from moestream.console import LiveStatus, prefill_progress
 from moestream.doctor import blas_advice, blas_facts
 from moestream.formats.packed import pack
@@ -72,6 +73,8 @@ def test_doctor_reports_the_machine_and_recommends_a_preset(k3_pack):
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "cores" in out and "scalar" in out
+    streams, level = _C.weight_streams_for(1 << 20), _C.get_prefetch_level()  # the CLI's defaults too
+    assert f"weight streams a thread 1 (narrow rows) or {streams} (wide rows); int4/mxfp4 prefetch into L{level}" in out
     assert re.search(r"disk: [0-9.]+ GB/s random", out)
     assert re.search(r"recommendation: --preset \w+ \([0-9.]+ GiB\): about [0-9.]+ s/token", out)
     p = cli("doctor", "--seconds", "0.2")  # the demo model: resident, no ladder

@@ -104,6 +104,10 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "cores": threads,
         "simd": _C.supported_isas(),
         "kernel_path": _C.get_isa(),
+        "l1d_bytes": _C.l1d_bytes(),
+        "weight_streams": _C.get_weight_streams(),  # 0: chosen per product
+        "wide_row_streams": _C.weight_streams_for(1 << 20),
+        "prefetch_level": _C.get_prefetch_level(),
         "mem_total": planner.meminfo("MemTotal"),
         "mem_available": planner.mem_available(),
         "cgroup_limit": planner.cgroup_limit(),
@@ -139,6 +143,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     facts = machine_facts(threads)
     print(
         f"cpu: {facts['cpu']}, {threads} cores; kernel paths {', '.join(facts['simd'])} (using {facts['kernel_path']})"
+    )
+    l1 = f"L1d {facts['l1d_bytes'] // 1024} KB" if facts["l1d_bytes"] else "L1d size unknown"
+    streams = facts["weight_streams"] or f"1 (narrow rows) or {facts['wide_row_streams']} (wide rows)"
+    print(
+        f"decode kernels: {l1}; weight streams a thread {streams}; int4/mxfp4 prefetch into L{facts['prefetch_level']}"
     )
     limit = facts["cgroup_limit"]
     print(
