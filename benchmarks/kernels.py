@@ -74,7 +74,8 @@ def main() -> None:
     _C.set_prefetch_level(args.prefetch_level)
     print(f"machine: {machine()}\ncommit: {commit()}")
     streams = args.weight_streams or "chosen per product"
-    print(f"kernels: {args.isa}, weight streams: {streams}, int4/mxfp4 prefetch into L{args.prefetch_level}")
+    far = "far ones into L2" if args.prefetch_level == 2 else "all into L1"
+    print(f"kernels: {args.isa}, weight streams: {streams}, prefetches: {far}")
     print(f"(L1d {_C.l1d_bytes() // 1024} KB: see ms_weight_streams_for in csrc/matmul.c)\n")
     buf = np.ones(1 << 30, np.uint8)
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 #include <immintrin.h>
 
+#include "quant_int8.h"
 #include "threadpool.h"
 
 static ms_isa active_isa = MS_ISA_SCALAR;
@@ -38,19 +39,21 @@ int ms_level_supported(ms_level level) {
 }
 
 /* Weight streams a thread reads at once in the decode kernels that can take several
- * (ms_weight_streams_for), and where the int4 and mxfp4 decode kernels prefetch to (ms_prefetch_level).
- * Four streams suit Intel, whose per-stream prefetchers keep more lines in flight for four interleaved
- * streams (Xeon Sapphire Rapids: a plain read 11.8 -> 18.6 GB/s on one thread), and wide rows on a small
- * L1: there a token's activations (q8_0 16 KB at 14336 columns, q6_k 32 KB) and a window of lines
- * prefetched into L1 do not fit together, and four rows taking each block of activations in turn keep only
- * that block near. Zen 4 (L1d 32 KB), in-process A/B of one stream against four, one / two threads:
- * 4096x14336 q8_0 1.66 / 1.35x, q4_k 1.26 / 1.23x, q6_k 1.69 / 1.52x, int4 1.3-1.45x; but with narrow rows
- * (2048, 3072 columns: 2-7 KB of activations) two threads lost 5-17% (q4_k, q6_k), and the gain starts
- * between 8 KB (q8_0 at 9216 columns 1.28 / 1.13x) and 16 KB (q6_k at 5120 columns, 11.5 KB, 1.07 /
- * 0.97x; at 7168, 16 KB, 1.11 / 1.11x). For the same reason int4 and mxfp4, which prefetch 16 KB or more
- * ahead, do better prefetching into L2 there (int4 1.13-1.45x at every shape, mxfp4 1.04-1.51x); q4_k and
- * q6_k, which in four streams prefetch 4 blocks ahead, lose by L2 prefetches (0.73-1.0x). Zen 5 (48 KB)
- * reads fastest in one stream with L1 prefetches. */
+ * (ms_weight_streams_for), and where the decode kernels' far prefetches go (ms_prefetch_into_l2). Four
+ * streams suit Intel, whose per-stream prefetchers keep more lines in flight for four interleaved streams
+ * (Xeon Sapphire Rapids: a plain read 11.8 -> 18.6 GB/s on one thread), and wide rows on a small L1: there
+ * a token's activations (q8_0 16 KB at 14336 columns, q6_k 32 KB) and a window of lines prefetched into L1
+ * do not fit together, and four rows taking each block of activations in turn keep only that block near.
+ * Zen 4 (L1d 32 KB), in-process A/B of one stream against four, one / two threads: 4096x14336 q8_0 1.66 /
+ * 1.35x, q4_k 1.26 / 1.23x, q6_k 1.69 / 1.52x, int4 1.3-1.45x; but with narrow rows (2048, 3072 columns:
+ * 2-7 KB of activations) two threads lost 5-17% (q4_k, q6_k), and the gain starts between 8 KB (q8_0 at
+ * 9216 columns 1.28 / 1.13x) and 16 KB (q6_k at 5120 columns, 11.5 KB, 1.07 / 0.97x; at 7168, 16 KB, 1.11
+ * / 1.11x). For the same reason prefetches that reach further than a quarter of a small L1 go into L2:
+ * the AVX2 kernels (one row at a time, the next tile prefetched) 4096x14336 q8_0 2.1 / 2.0x, q4_k 1.7 /
+ * 1.3x, int4 1.5 / 1.5x, q6_k 2.2 / 2.2x; int4 and mxfp4 on AVX-512 (16 KB or more ahead) 1.1-1.5x at every
+ * shape, q8_0 3584x3072 (13 KB ahead) 1.1x; nearer ones stay in L1: q4_k and q6_k read in four streams
+ * (4 blocks ahead) lost 0-27% by L2 prefetches, as did q4_k 7168x2048 (4.6 KB ahead) on AVX2 (0.9x). Zen
+ * 5 (48 KB) reads fastest in one stream with L1 prefetches. */
 static int weight_streams = 0, prefetch_level = 1, intel = 0;
 static long l1d_bytes = 0;
 
@@ -77,6 +80,8 @@ int ms_set_prefetch_level(int level) {
 }
 
 long ms_l1d_bytes(void) { return l1d_bytes; }
+
+int ms_prefetch_into_l2(int64_t ahead) { return prefetch_level == 2 && 4 * ahead > (int64_t)l1d_bytes; }
 
 void ms_init(void) {
     ms_quant_init();

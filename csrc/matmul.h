@@ -29,9 +29,9 @@ int ms_set_level(ms_level level); /* 0 on success, -1 if this CPU lacks it */
 int ms_weight_streams_for(int64_t x_bytes);
 int ms_weight_streams(void);      /* the setting: 0 automatic, 1 or 4 */
 int ms_set_weight_streams(int n); /* 0; -1 unless n is 0, 1 or 4 */
-/* The cache level (1 or 2) into which the int4 and mxfp4 decode kernels prefetch the weights they read
- * next, kilobytes ahead (the same bits either way): 2 where the L1 data cache is smaller than 48 KB, else
- * 1, until set. */
+/* Where the decode kernels' software prefetches go: level 1, into L1; level 2 (the default where the L1
+ * data cache is smaller than 48 KB), those reaching more than a quarter of the L1 ahead into L2 only
+ * (ms_prefetch_into_l2, quant_int8.h). The same bits either way. */
 int ms_prefetch_level(void);
 int ms_set_prefetch_level(int level); /* 0; -1 unless level is 1 or 2 */
 long ms_l1d_bytes(void);               /* the L1 data cache per core as the C library reports it; 0 unknown */

@@ -9,6 +9,7 @@
 #include "kda.h"
 #include "io.h"
 #include "matmul.h"
+#include "quant_int8.h"
 #include "norm.h"
 
 static const char *level_names[MS_NUM_LEVELS] = {"scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi"};
@@ -316,6 +317,13 @@ static PyObject *py_weight_streams_for(PyObject *self, PyObject *args) {
     long long x_bytes;
     if (!PyArg_ParseTuple(args, "L", &x_bytes)) return NULL;
     return PyLong_FromLong(ms_weight_streams_for(x_bytes));
+}
+
+static PyObject *py_prefetch_into_l2(PyObject *self, PyObject *args) {
+    (void)self;
+    long long ahead;
+    if (!PyArg_ParseTuple(args, "L", &ahead)) return NULL;
+    return PyBool_FromLong(ms_prefetch_into_l2(ahead));
 }
 
 static PyObject *py_get_weight_streams(PyObject *self, PyObject *args) {
@@ -659,10 +667,12 @@ static PyMethodDef methods[] = {
     {"weight_streams_for", py_weight_streams_for, METH_VARARGS,
      "weight_streams_for(x_bytes): the streams of a product whose token's prepared activations take x_bytes"},
     {"set_prefetch_level", py_set_prefetch_level, METH_VARARGS,
-     "set_prefetch_level(level): the cache level, 1 or 2, that the int4 and mxfp4 decode kernels prefetch "
-     "into (the same bits)"},
+     "set_prefetch_level(level): 1, the decode kernels prefetch into L1; 2, those prefetches that reach past a "
+     "quarter of the L1 go into L2 (the same bits)"},
     {"get_prefetch_level", py_get_prefetch_level, METH_NOARGS,
      "see set_prefetch_level; 2 where the L1 data cache is under 48 KB, else 1"},
+    {"prefetch_into_l2", py_prefetch_into_l2, METH_VARARGS,
+     "prefetch_into_l2(ahead): whether the decode kernels' prefetches that many bytes ahead go into L2"},
     {"l1d_bytes", py_l1d_bytes, METH_NOARGS, "the L1 data cache per core as the C library reports it (0: unknown)"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "the kernel paths this CPU supports, the best last"},
     {"formats", py_formats, METH_NOARGS, "the format table: (name, block, block_bytes) per format id"},

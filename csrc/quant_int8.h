@@ -92,8 +92,12 @@ static inline int64_t prefetch_rows(int64_t row_bytes, int64_t step, int64_t min
     return rows > min_rows ? rows : min_rows;
 }
 
-/* The line at p asked for into L1, or with l2 (a constant where this is inlined) into L2 only: the far
- * prefetches of the int4 and mxfp4 decode kernels, as ms_prefetch_level() says. */
+/* Whether the kernels' prefetches `ahead` bytes on go into L2 rather than L1: with prefetch level 2 (the
+ * default on a small L1, csrc/matmul.c), those that reach past a quarter of the L1. */
+int ms_prefetch_into_l2(int64_t ahead);
+
+/* The line at p asked for into L1, or with l2 (a constant where this is inlined, or asked once a kernel
+ * call: ms_prefetch_into_l2) into L2 only. */
 static inline __attribute__((always_inline)) void prefetch_line(const void *p, const int l2) {
     if (l2)
         _mm_prefetch((const char *)p, _MM_HINT_T1);

@@ -28,12 +28,13 @@ static inline __m256 q8_0_block(const uint8_t *w, const ms_q8_0x *x, __m256 f) {
 void ms_dot4_q8_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_0x *x = (const ms_q8_0x *)xp;
     int64_t nb = m->cols / 32;
+    const int l2 = ms_prefetch_into_l2(4 * m->row_bytes);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
         int64_t b = 0;
         for (; b + 2 <= nb; b += 2, w += 68) {
-            prefetch_ahead(w, 4 * m->row_bytes, 68);
+            prefetch_ahead(w, 4 * m->row_bytes, 68, l2);
             even = q8_0_block(w, &x[b], even);
             odd = q8_0_block(w + 34, &x[b + 1], odd);
         }
@@ -53,12 +54,13 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     int64_t nb = m->cols / 256;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const int l2 = ms_prefetch_into_l2(4 * m->row_bytes);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 f = _mm256_setzero_ps();
         __m128 fmin = _mm_setzero_ps();
         for (int64_t b = 0; b < nb; b++, w += 144) {
-            prefetch_ahead(w, 4 * m->row_bytes, 144);
+            prefetch_ahead(w, 4 * m->row_bytes, 144, l2);
             __m128i sc, mn;
             q4k_scales_mins(w + 4, &sc, &mn);
             /* the 8 scales as int16 in both lanes; sub-block j's scale in every slot by one byte shuffle */
@@ -97,14 +99,15 @@ void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     int64_t nb = m->cols / 32;
     const ms_int4x x = ms_int4x_at(xp, nb);
     const __m256i low4 = _mm256_set1_epi8(0x0F), shift = _mm256_setr_epi64x(0, 0, 4, 4);
+    const int l2 = ms_prefetch_into_l2(4 * m->row_bytes);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const float *s = ms_int4_scale_row(m, row0 + r);
         __m256 f[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; /* b % 4 */
         int64_t b = 0;
         for (; b + 4 <= nb; b += 4, w += 64) { /* four blocks a step, so that f stays in registers */
-            prefetch_ahead(w, 4 * m->row_bytes, 64);
-            if ((b & 15) == 0) _mm_prefetch((const char *)(s + b + 4 * nb), _MM_HINT_T0); /* next tile's scales */
+            prefetch_ahead(w, 4 * m->row_bytes, 64, l2);
+            if ((b & 15) == 0) prefetch_line(s + b + 4 * nb, l2); /* next tile's scales */
             for (int c = 0; c < 4; c++) f[c] = int4_block(w + 16 * c, &x, b + c, s[b + c], shift, low4, f[c]);
         }
         for (int c = 0; b < nb; b++, c++, w += 16) f[c] = int4_block(w, &x, b, s[b], shift, low4, f[c]);
@@ -118,11 +121,12 @@ void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     /* the 16 int8 scales reordered even ones first, so that after widening the low lane holds the even
      * scales and the high lane the odd ones: scale pair (g, g + 1) is int16 g / 2 of both lanes */
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const int l2 = ms_prefetch_into_l2(4 * m->row_bytes);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m256 f = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, w += 210) {
-            prefetch_ahead(w, 4 * m->row_bytes, 210);
+            prefetch_ahead(w, 4 * m->row_bytes, 210, l2);
             __m256i scales =
                 _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), even_odd));
             const int8_t *qx = x[b].k.q;
@@ -188,11 +192,12 @@ static inline __attribute__((always_inline)) void mx_rows_avx2(const ms_matrix *
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     }
     const int64_t ahead = 4 * m->row_bytes;
+    const int l2 = ms_prefetch_into_l2(ahead);
     int64_t b0 = 0;
     for (; b0 + 4 <= nb; b0 += 4) {
         for (int r = 0; r < R; r++) {
-            prefetch_ahead(w[r] + 16 * b0, ahead, 64);
-            if ((b0 & 63) == 0) _mm_prefetch((const char *)(s[r] + b0 + 4 * nb), _MM_HINT_T0); /* next tile's */
+            prefetch_ahead(w[r] + 16 * b0, ahead, 64, l2);
+            if ((b0 & 63) == 0) prefetch_line(s[r] + b0 + 4 * nb, l2); /* next tile's */
         }
         for (int h = 0; h < 2; h++) {
             const int64_t b = b0 + 2 * h, lo = 32 * b0 + 32 * h, hi = lo + 64;
@@ -612,6 +617,7 @@ void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float
 void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
+    const int l2 = ms_prefetch_into_l2(ahead);
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -619,7 +625,7 @@ void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         float f = 0.0f, g = 0.0f;
         for (int64_t b = 0; b < nb; b++, w += 84) {
-            prefetch_ahead(w, ahead, 84);
+            prefetch_ahead(w, ahead, 84, l2);
             const __m128i s8 = _mm_loadu_si128((const __m128i *)w);
             const __m256i sc = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_and_si128(s8, low4), even_odd));
             const __m256i mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4));

@@ -200,7 +200,8 @@ static inline __attribute__((always_inline)) VNNI void int4_run(const ms_matrix 
 }
 
 static VNNI void int4_decode(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out, int four) {
-    const int wide = (m->cols / 32) * MS_INT4X_BYTES > 16384, l2 = ms_prefetch_level() == 2;
+    const int wide = (m->cols / 32) * MS_INT4X_BYTES > 16384;
+    const int l2 = ms_prefetch_into_l2(prefetch_rows(m->row_bytes, 1, 4) * m->row_bytes);
     if (wide)
         l2 ? int4_run(m, row0, nrows, xp, out, 1, 1, four) : int4_run(m, row0, nrows, xp, out, 1, 0, four);
     else
@@ -324,12 +325,13 @@ static inline __attribute__((always_inline)) VNNI float q8_finish(const uint8_t 
 static inline __attribute__((always_inline)) VNNI void q8_0_one_stream(const ms_matrix *m, int64_t row0,
                                                                   int64_t nrows, const ms_q8_0x *x, float *out) {
     const int64_t nb = m->cols / 32;
+    const int l2 = ms_prefetch_into_l2(4 * m->row_bytes);
     for (int64_t r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         __m512 acc = _mm512_setzero_ps();
         int64_t b = 0;
         for (; b + 2 <= nb; b += 2, w += 68) {
-            prefetch_ahead(w, 4 * m->row_bytes, 68);
+            prefetch_ahead(w, 4 * m->row_bytes, 68, l2);
             acc = q8_pair(w, x, b, acc);
         }
         out[r] = q8_finish(w, x, b, nb, acc);
@@ -356,7 +358,7 @@ static VNNI void q8_0_rows_vnni(const ms_matrix *m, int64_t row0, int64_t nrows,
         int64_t b = 0;
         for (; b + 2 <= nb; b += 2)
             for (int s = 0; s < 4; s++) {
-                prefetch_ahead(w[s] + 34 * b, 8 * 68, 68);
+                prefetch_ahead(w[s] + 34 * b, 8 * 68, 68, 0);
                 acc[s] = q8_pair(w[s] + 34 * b, x, b, acc[s]);
             }
         for (int s = 0; s < 4; s++) out[s * q + i] = q8_finish(w[s] + 34 * b, x, b, nb, acc[s]);
@@ -575,11 +577,12 @@ static inline __attribute__((always_inline)) void rows_one_stream(const ms_matri
                                                                   int x_bytes, int64_t ahead, block_fn block,
                                                                   finish_fn finish, const void *consts) {
     const int64_t nb = m->cols / 256;
+    const int l2 = ms_prefetch_into_l2(ahead);
     for (int64_t r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         row_lanes a = {_mm256_setzero_ps(), _mm_setzero_ps()};
         for (int64_t b = 0; b < nb; b++, w += bytes) {
-            prefetch_ahead(w, ahead, bytes);
+            prefetch_ahead(w, ahead, bytes, l2);
             block(consts, w, xp + b * x_bytes, &a);
         }
         out[r] = finish(a);
@@ -604,7 +607,7 @@ static inline __attribute__((always_inline)) void rows_streams(const ms_matrix *
         }
         for (int64_t b = 0; b < nb; b++) {
             for (int s = 0; s < 4; s++) {
-                prefetch_ahead(w[s] + b * bytes, 4 * bytes, bytes);
+                prefetch_ahead(w[s] + b * bytes, 4 * bytes, bytes, 0);
                 block(consts, w[s] + b * bytes, xp + b * x_bytes, &a[s]);
             }
         }
@@ -767,13 +770,14 @@ static inline VNNI __m512i k2k_scaled(__m512i acc, __m512i u0, __m512i u1, const
 static VNNI void q2_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_q8_kx *x = (const ms_q8_kx *)xp;
     const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
+    const int l2 = ms_prefetch_into_l2(ahead);
     const __m512i m3 = _mm512_set1_epi8(3), idx[2] = {k2k_index(0), k2k_index(1)};
     const __m128i low4 = _mm_set1_epi8(0x0F);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         float f = 0.0f, g = 0.0f;
         for (int64_t b = 0; b < nb; b++, w += 84) {
-            prefetch_ahead(w, ahead, 84);
+            prefetch_ahead(w, ahead, 84, l2);
             const __m128i s8 = _mm_loadu_si128((const __m128i *)w);
             const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(s8, low4)));
             const __m256i mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4));

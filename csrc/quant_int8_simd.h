@@ -12,9 +12,10 @@
 static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 
 /* The rows of a dot4 tile are short streams the hardware prefetcher picks up late; each kernel asks for
- * the same bytes of the row four rows ahead (the next tile) while it works on this one. */
-static inline void prefetch_ahead(const uint8_t *p, int64_t ahead, int nbytes) {
-    for (int o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
+ * the same bytes of the row four rows ahead (the next tile) while it works on this one: into L1, or with
+ * l2 (ms_prefetch_into_l2(ahead), asked once a kernel call) into L2 only. */
+static inline void prefetch_ahead(const uint8_t *p, int64_t ahead, int nbytes, int l2) {
+    for (int o = 0; o < nbytes; o += 64) prefetch_line(p + ahead + o, l2);
 }
 
 /* The same, no more than 8 KB ahead (q6_k and the low-bit formats, against q8_k records): with a token's
@@ -50,11 +51,12 @@ static inline __m128i q3k_scales(const uint8_t *s) {
     do {                                                                                                \
         const ms_q8_kx *x_ = (const ms_q8_kx *)xp;                                                      \
         const int64_t nb_ = m->cols / 256, ahead_ = next_tile_ahead(m);                                 \
+        const int l2_ = ms_prefetch_into_l2(ahead_);                                                           \
         for (int r_ = 0; r_ < nrows; r_++) {                                                            \
             const uint8_t *w = m->data + (row0 + r_) * m->row_bytes;                                    \
             float f_ = 0.0f;                                                                            \
             for (int64_t b_ = 0; b_ < nb_; b_++, w += (BYTES)) {                                        \
-                prefetch_ahead(w, ahead_, (BYTES));                                                     \
+                prefetch_ahead(w, ahead_, (BYTES), l2_);                                                \
                 const ms_q8_kx *xb = &x_[b_];                                                           \
                 f_ = fmaf((float)(S_EXPR), h2f(w + (D_AT)) * xb->d, f_);                                \
             }                                                                                           \

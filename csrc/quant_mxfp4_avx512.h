@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_decode(const ms_m
 }
 
 static MX_TARGET void mx_decode_rows(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
-    if (ms_prefetch_level() == 2)
+    if (ms_prefetch_into_l2(16384)) /* decode prefetches at least 16 KB ahead */
         mx_decode(m, row0, nrows, xp, out, 1);
     else
         mx_decode(m, row0, nrows, xp, out, 0);

@@ -115,7 +115,7 @@ def weight_streams():
 def test_decode_same_bits_in_one_or_four_weight_streams(isa, weight_streams, fmt, rows):
     """A thread's rows read as four interleaved runs (Intel's default, and a small L1's for wide rows) give each row
     the bits it has when read one after another, and when it is one of a batch of tokens; and so do the
-    int4 and mxfp4 kernels prefetching into L2 (the default on a small L1) or into L1."""
+    kernels whose far prefetches go into L2 (the default on a small L1) or into L1."""
     w = make_weight(fmt, *shape_for(fmt, (rows, 1100)))
     x = np.random.default_rng(3).standard_normal((5, w.cols)).astype(np.float32)
     base = w.matmul(x, threads=1)
@@ -137,8 +137,9 @@ def test_decode_same_bits_in_one_or_four_weight_streams(isa, weight_streams, fmt
 
 def test_weight_streams_and_prefetch_level_follow_the_l1_and_the_cpu(weight_streams):
     """Automatically, four weight streams on Intel, and where the L1 data cache is under 48 KB for a token's
-    activations of more than 3/8 of it (the tuning measured on Zen 4's 32 KB), else one; L2 prefetches
-    where the L1 is under 48 KB. A setting of 1 or 4 holds for every product."""
+    activations of more than 3/8 of it (the tuning measured on Zen 4's 32 KB), else one; where the L1 is
+    under 48 KB, prefetches reaching past a quarter of it go into L2. A setting of 1 or 4 holds for every
+    product."""
     l1 = _C.l1d_bytes()
     with open("/proc/cpuinfo") as f:
         intel = "GenuineIntel" in f.read()
@@ -148,6 +149,11 @@ def test_weight_streams_and_prefetch_level_follow_the_l1_and_the_cpu(weight_stre
         wide = small and 8 * x_bytes > 3 * l1
         assert _C.weight_streams_for(x_bytes) == (4 if intel or wide else 1), x_bytes
     assert _C.get_prefetch_level() == (2 if small else 1)
+    assert _C.prefetch_into_l2(l1 // 4 + 64) == small and not _C.prefetch_into_l2(l1 // 4)
+    _C.set_prefetch_level(1)
+    assert not _C.prefetch_into_l2(1 << 20)
+    _C.set_prefetch_level(2)
+    assert _C.prefetch_into_l2(1 << 20)
     for n in (1, 4):
         weight_streams(n)
         assert {_C.weight_streams_for(b) for b in (0, 2048, 1 << 20)} == {n}

@@ -146,9 +146,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     )
     l1 = f"L1d {facts['l1d_bytes'] // 1024} KB" if facts["l1d_bytes"] else "L1d size unknown"
     streams = facts["weight_streams"] or f"1 (narrow rows) or {facts['wide_row_streams']} (wide rows)"
-    print(
-        f"decode kernels: {l1}; weight streams a thread {streams}; int4/mxfp4 prefetch into L{facts['prefetch_level']}"
-    )
+    far = "far ones into L2" if facts["prefetch_level"] == 2 else "all into L1"
+    print(f"decode kernels: {l1}; weight streams a thread {streams}; prefetches {far}")
     limit = facts["cgroup_limit"]
     print(
         f"memory: {_gb(facts['mem_total'])} total, {_gb(facts['mem_available'])} available, cgroup limit "
