@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import commit, machine, table
+from common import commit, evict, machine, table
 from decode import QWEN3_30B_A3B, llama_cpp_gguf
 from moestream.formats.packed import PackedStore, pack
 from moestream.runtime.planner import parse_size
@@ -85,15 +84,6 @@ class Cgroup:
             self.path.rmdir()
         except OSError:
             pass
-
-
-def evict(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def direct_bandwidth(packed: Path, seconds: float = 3.0) -> float:
