@@ -186,7 +186,7 @@ static inline __attribute__((always_inline)) VNNI void int4_rows(const ms_matrix
  * 80% for two rows at once; 3584x3072: 100% against 79% for four, with the read at ~47 GB/s). With
  * ms_weight_streams_for() four, a run's rows i, q + i, 2q + i, 3q + i (q = nrows / 4) are taken at once, each
  * stream prefetched ahead_rows of its rows on (as rows_streams). Activations and lane offsets of more than
- * 16 KB are made instead of loaded (int4_pair_of's wide). l2: the prefetches go to L2 (ms_prefetch_level). */
+ * 16 KB are made instead of loaded (int4_pair_of's wide). l2: the prefetches go to L2 (ms_prefetch_into_l2). */
 static inline __attribute__((always_inline)) VNNI void int4_run(const ms_matrix *m, int64_t row0, int64_t nrows,
                                                            const float *xp, float *out, const int wide,
                                                            const int l2, int four) {

@@ -165,7 +165,7 @@ static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_
  * -> 81-88% of the read, never less. In a C harness the gain moved with where the buffers lay (+9% at one
  * placement, none with random offsets). Narrower rows lose by it (harness: 7168x2048 -7%, 3584x3072
  * -10%) and run tile by tile. Each row's arithmetic is the same whatever the rows beside it, so the bits
- * are those of a tile alone. With l2 the prefetches go to L2 (ms_prefetch_level). */
+ * are those of a tile alone. With l2 the prefetches go to L2 (ms_prefetch_into_l2). */
 #define MX_EIGHT_ROWS_BYTES 32768
 static inline __attribute__((always_inline)) MX_TARGET void mx_decode(const ms_matrix *m, int64_t row0,
                                                                  int64_t nrows, const float *xp, float *out,
