@@ -54,7 +54,7 @@ int ms_level_supported(ms_level level) {
  * shape, q8_0 3584x3072 (13 KB ahead) 1.1x; nearer ones stay in L1: q4_k and q6_k read in four streams
  * (4 blocks ahead) lost 0-27% by L2 prefetches, as did q4_k 7168x2048 (4.6 KB ahead) on AVX2 (0.9x). Zen
  * 5 (48 KB) reads fastest in one stream with L1 prefetches. */
-static int weight_streams = 0, prefetch_level = 1, intel = 0;
+static int weight_streams = 0, prefetch_level = 1, intel = 0, small_l1 = 0; /* small_l1: L1d < 48 KB */
 static long l1d_bytes = 0;
 
 int ms_weight_streams(void) { return weight_streams; }
@@ -67,7 +67,6 @@ int ms_set_weight_streams(int n) {
 
 int ms_weight_streams_for(int64_t x_bytes) {
     if (weight_streams) return weight_streams;
-    const int small_l1 = l1d_bytes > 0 && l1d_bytes < 48 * 1024;
     return intel || (small_l1 && 8 * x_bytes > 3 * (int64_t)l1d_bytes) ? 4 : 1;
 }
 
@@ -91,7 +90,8 @@ void ms_init(void) {
     if (l1d_bytes < 0) l1d_bytes = 0;
 #endif
     intel = __builtin_cpu_is("intel");
-    prefetch_level = l1d_bytes > 0 && l1d_bytes < 48 * 1024 ? 2 : 1;
+    small_l1 = l1d_bytes > 0 && l1d_bytes < 48 * 1024;
+    prefetch_level = small_l1 ? 2 : 1;
     for (int l = MS_NUM_LEVELS - 1; l >= 0; l--)
         if (ms_set_level((ms_level)l) == 0) break;
 }

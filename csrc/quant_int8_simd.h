@@ -51,7 +51,7 @@ static inline __m128i q3k_scales(const uint8_t *s) {
     do {                                                                                                \
         const ms_q8_kx *x_ = (const ms_q8_kx *)xp;                                                      \
         const int64_t nb_ = m->cols / 256, ahead_ = next_tile_ahead(m);                                 \
-        const int l2_ = ms_prefetch_into_l2(ahead_);                                                           \
+        const int l2_ = ms_prefetch_into_l2(ahead_);                                                    \
         for (int r_ = 0; r_ < nrows; r_++) {                                                            \
             const uint8_t *w = m->data + (row0 + r_) * m->row_bytes;                                    \
             float f_ = 0.0f;                                                                            \
