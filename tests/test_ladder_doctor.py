@@ -73,9 +73,12 @@ def test_doctor_reports_the_machine_and_recommends_a_preset(k3_pack):
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "cores" in out and "scalar" in out
-    streams, level = _C.weight_streams_for(1 << 20), _C.get_prefetch_level()  # the CLI's defaults too
+    narrow, wide, level = _C.weight_streams_for(0), _C.weight_streams_for(1 << 20), _C.get_prefetch_level()
+    streams = f"{narrow}" if narrow == wide else f"{narrow} (narrow rows) or {wide} (wide rows)"
     far = "far ones into L2" if level == 2 else "all into L1"
-    assert f"weight streams a thread 1 (narrow rows) or {streams} (wide rows); prefetches {far}" in out
+    assert (
+        f"decode kernels: L1d {_C.l1d_bytes() // 1024} KB; weight streams a thread {streams}; prefetches {far}" in out
+    )
     assert re.search(r"disk: [0-9.]+ GB/s random", out)
     assert re.search(r"recommendation: --preset \w+ \([0-9.]+ GiB\): about [0-9.]+ s/token", out)
     p = cli("doctor", "--seconds", "0.2")  # the demo model: resident, no ladder

@@ -105,7 +105,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "simd": _C.supported_isas(),
         "kernel_path": _C.get_isa(),
         "l1d_bytes": _C.l1d_bytes(),
-        "weight_streams": _C.get_weight_streams(),  # 0: chosen per product
+        "narrow_row_streams": _C.weight_streams_for(0),
         "wide_row_streams": _C.weight_streams_for(1 << 20),
         "prefetch_level": _C.get_prefetch_level(),
         "mem_total": planner.meminfo("MemTotal"),
@@ -145,7 +145,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         f"cpu: {facts['cpu']}, {threads} cores; kernel paths {', '.join(facts['simd'])} (using {facts['kernel_path']})"
     )
     l1 = f"L1d {facts['l1d_bytes'] // 1024} KB" if facts["l1d_bytes"] else "L1d size unknown"
-    streams = facts["weight_streams"] or f"1 (narrow rows) or {facts['wide_row_streams']} (wide rows)"
+    narrow, wide = facts["narrow_row_streams"], facts["wide_row_streams"]
+    streams = f"{narrow}" if narrow == wide else f"{narrow} (narrow rows) or {wide} (wide rows)"
     far = "far ones into L2" if facts["prefetch_level"] == 2 else "all into L1"
     print(f"decode kernels: {l1}; weight streams a thread {streams}; prefetches {far}")
     limit = facts["cgroup_limit"]
