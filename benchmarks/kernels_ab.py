@@ -9,7 +9,7 @@ gives the same bits.
     python3 setup.py build_ext --inplace && cp src/moestream/_C.*.so /tmp/after.so
     python3 benchmarks/kernels_ab.py /tmp/before.so /tmp/after.so [--formats q4_k,q6_k]
         [--shapes 4096x14336,7168x2048] [--threads 1,2] [--rounds 6] [--tokens 1]
-        [--isa avx2,avx512vbmi] [--weight-streams 1,4] [--prefetch-level 1,2]
+        [--in-cache] [--isa avx2,avx512vbmi] [--weight-streams 1,4] [--prefetch-level 1,2]
 
 --isa, --weight-streams and --prefetch-level take one value for every build or one per build (the same
 .so given twice compares two settings of one build).
@@ -71,6 +71,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=0.2)
     ap.add_argument("--tokens", type=int, default=1, help="above 1: prefill products, in GOPS from cache")
+    ap.add_argument(
+        "--in-cache",
+        action="store_true",
+        help="one token against one copy (give --shapes that fit the L2, e.g. 512x3072): the compute bound",
+    )
     ap.add_argument("--isa")
     ap.add_argument("--weight-streams")
     ap.add_argument("--prefetch-level")
@@ -104,7 +109,8 @@ def main() -> None:
         for shape in args.shapes.split(","):
             r, c = (int(v) for v in shape.split("x"))
             w0 = make(fmt, rng.standard_normal((r, c)).astype(np.float32))
-            ws = copies(w0) if T == 1 else [w0]  # one token: from memory; several: the tile in cache
+            # one token: from memory (unless --in-cache); several: the tile in cache
+            ws = copies(w0) if T == 1 and not args.in_cache else [w0]
             x = rng.standard_normal((T, c)).astype(np.float32)
             out = np.empty((T, r), np.float32)
             work = ws[0].nbytes if T == 1 else 2 * r * c * T
