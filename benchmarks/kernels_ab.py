@@ -12,7 +12,9 @@ gives the same bits.
         [--in-cache] [--isa avx2,avx512vbmi] [--weight-streams 1,4] [--prefetch-level 1,2]
 
 --isa, --weight-streams and --prefetch-level take one value for every build or one per build (the same
-.so given twice compares two settings of one build).
+.so given twice compares two settings of one build). A matrix kept in cache (--in-cache, or --tokens above
+1) is timed by the fastest of calls repeated in C (_C.matmul_repeat) when every build has it, else from
+Python for all of them.
 """
 
 from __future__ import annotations
@@ -50,8 +52,17 @@ def per_build(value: str | None, n: int, name: str) -> list[str | None]:
     return values
 
 
-def rate(b: ModuleType, ws: list[Weight], x: np.ndarray, out: np.ndarray, threads: int, seconds: float) -> float:
-    """Products per second of build b, cycling through the copies ws (so that one token reads memory)."""
+def rate(
+    b: ModuleType, ws: list[Weight], x: np.ndarray, out: np.ndarray, threads: int, seconds: float, in_c: bool
+) -> float:
+    """Products per second of build b, cycling through the copies ws (so that one token reads memory); with
+    in_c, the fastest of repeated calls made in C (_C.matmul_repeat) on the one copy, which a matrix kept in
+    cache needs: from Python, the call costs about as much as the kernel."""
+    if in_c:
+        w = ws[0]
+        once = b.matmul_repeat(w.fmt.id, w.data, w.scales, w.rows, w.cols, x, out, threads, 3)
+        n = max(3, min(1_000_000, int(seconds / max(once, 1e-9))))
+        return 1 / b.matmul_repeat(w.fmt.id, w.data, w.scales, w.rows, w.cols, x, out, threads, n)
     i = [0]
 
     def step() -> None:
@@ -114,11 +125,12 @@ def main() -> None:
             x = rng.standard_normal((T, c)).astype(np.float32)
             out = np.empty((T, r), np.float32)
             work = ws[0].nbytes if T == 1 else 2 * r * c * T
+            in_c = len(ws) == 1 and all(hasattr(b, "matmul_repeat") for b in builds)  # the same method for all
             for t in (int(v) for v in args.threads.split(",")):
                 runs: list[list[float]] = [[] for _ in builds]
                 for k in range(args.rounds):
                     for j in range(n) if k % 2 == 0 else reversed(range(n)):
-                        runs[j].append(work * rate(builds[j], ws, x, out, t, args.seconds) / 1e9)
+                        runs[j].append(work * rate(builds[j], ws, x, out, t, args.seconds, in_c) / 1e9)
                 bits = set()
                 for b in builds:
                     o = np.empty_like(out)

@@ -3,6 +3,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <time.h>
 
 #include "attention.h"
 #include "gemm_f32.h"
@@ -158,25 +159,68 @@ static PyObject *run_products(ms_product *p, int n, int threads) {
     Py_RETURN_NONE;
 }
 
+/* The arguments (fmt, w, scales, rows, cols, x, out, threads, then nargs - 8 more longs into extra) of a call
+ * named name: 0, or -1 with the error set (nothing held). */
+static int parse_matmul_call(PyObject *args, Py_ssize_t nargs, const char *name, ms_product *p, product_buffers *b,
+                             int *threads, long *extra) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n != nargs) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, nargs, n);
+        return -1;
+    }
+    *threads = PyLong_AsLong(PyTuple_GET_ITEM(args, 7));
+    if (*threads == -1 && PyErr_Occurred()) return -1;
+    for (Py_ssize_t i = 8; i < nargs; i++) {
+        extra[i - 8] = PyLong_AsLong(PyTuple_GET_ITEM(args, i));
+        if (extra[i - 8] == -1 && PyErr_Occurred()) return -1;
+    }
+    PyObject *head = PyTuple_GetSlice(args, 0, 7);
+    if (head == NULL) return -1;
+    int rc = parse_product(head, p, b);
+    Py_DECREF(head);
+    return rc < 0 ? -1 : 0;
+}
+
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
-    if (n != 8) {
-        PyErr_Format(PyExc_TypeError, "matmul takes 8 arguments (%zd given)", n);
-        return NULL;
-    }
-    int threads = PyLong_AsLong(PyTuple_GET_ITEM(args, 7));
-    if (threads == -1 && PyErr_Occurred()) return NULL;
-    PyObject *head = PyTuple_GetSlice(args, 0, 7);
-    if (head == NULL) return NULL;
     ms_product p;
     product_buffers b;
-    int rc = parse_product(head, &p, &b);
-    Py_DECREF(head);
-    if (rc < 0) return NULL;
+    int threads;
+    if (parse_matmul_call(args, 8, "matmul", &p, &b, &threads, NULL) < 0) return NULL;
     PyObject *ret = run_products(&p, 1, threads);
     release_product(&b);
     return ret;
+}
+
+/* matmul(fmt, w, scales, rows, cols, x, out, threads) `repeats` times in C, without the GIL: the seconds of the
+ * fastest call. For benchmarks of a matrix that stays in cache, where the Python call costs as much as the
+ * kernel. */
+static PyObject *py_matmul_repeat(PyObject *self, PyObject *args) {
+    (void)self;
+    ms_product p;
+    product_buffers b;
+    int threads, rc = 0;
+    long repeats;
+    if (parse_matmul_call(args, 9, "matmul_repeat", &p, &b, &threads, &repeats) < 0) return NULL;
+    if (repeats < 1) {
+        release_product(&b);
+        PyErr_SetString(PyExc_ValueError, "matmul_repeat: repeats must be at least 1");
+        return NULL;
+    }
+    double best = 1e300;
+    Py_BEGIN_ALLOW_THREADS
+    for (long i = 0; i < repeats && rc == 0; i++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        rc = ms_matmul_many(&p, 1, threads);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        if (dt < best) best = dt;
+    }
+    Py_END_ALLOW_THREADS
+    release_product(&b);
+    if (rc != 0) return PyErr_NoMemory();
+    return PyFloat_FromDouble(best);
 }
 
 static PyObject *py_matmul_many(PyObject *self, PyObject *args) {
@@ -635,6 +679,9 @@ static PyMethodDef methods[] = {
      "pread(fd, buffer, offset, n): read n bytes at offset into buffer (GIL released); returns bytes read"},
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(fmt, w, scales, rows, cols, x, out, threads): out[T, rows] = x[T, cols] @ W.T"},
+    {"matmul_repeat", py_matmul_repeat, METH_VARARGS,
+     "matmul_repeat(fmt, w, scales, rows, cols, x, out, threads, repeats): matmul repeats times, the fastest call's "
+     "seconds"},
     {"matmul_many", py_matmul_many, METH_VARARGS,
      "matmul_many([(fmt, w, scales, rows, cols, x, out), ...], threads): several products in one parallel pass"},
     {"dequant", py_dequant, METH_VARARGS, "dequant(fmt, w, scales, rows, cols, out, threads): W as f32"},

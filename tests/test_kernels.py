@@ -310,6 +310,25 @@ def test_bad_arguments_raise():
         _C.set_isa("neon")
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_matmul_repeat_gives_matmul_bits_and_a_time(tokens):
+    """The benchmarks' timed product (calls repeated in C) computes what matmul computes, and checks what it
+    checks."""
+    w = make_weight("q4_k", 12, 512)
+    x = np.random.default_rng(3).standard_normal((tokens, 512)).astype(np.float32)
+    want, got = np.empty((tokens, 12), np.float32), np.full((tokens, 12), np.nan, np.float32)
+    _C.matmul(w.fmt.id, w.data, w.scales, w.rows, w.cols, x, want, 2)
+    seconds = _C.matmul_repeat(w.fmt.id, w.data, w.scales, w.rows, w.cols, x, got, 2, 3)
+    assert got.tobytes() == want.tobytes()
+    assert isinstance(seconds, float) and seconds > 0  # the fastest call, in seconds
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        _C.matmul_repeat(w.fmt.id, w.data, w.scales, w.rows, w.cols, x, got, 2, 0)
+    with pytest.raises(ValueError, match="out has"):
+        _C.matmul_repeat(w.fmt.id, w.data, w.scales, w.rows, w.cols, x, got[:, :6].copy(), 2, 1)
+    with pytest.raises(TypeError, match="9 arguments"):
+        _C.matmul_repeat(w.fmt.id, w.data, w.scales, w.rows, w.cols, x, got, 2)
+
+
 def test_fp8_nan_byte_is_nan():
     q = np.array([[0x7F, 0x38]], np.uint8)  # NaN, 1.0
     w = Weight(q.view(ml_dtypes.float8_e4m3fn), np.ones((1, 1), np.float32))
