@@ -64,6 +64,12 @@ static inline MX_TARGET void mx_nibbles(__m512i v, __m512i lut, __m512i *ul, __m
 }
 #include "quant_mxfp4_avx512.h"
 
+/* A run of rows tile by tile through a tile kernel (the AVX2 one, where the AVX-512 run-of-rows kernels lack
+ * VNNI): the rows the dispatcher would give it one tile at a time. */
+static void by_tiles(ms_dot4_fn dot4, const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+    for (int64_t r = 0; r < nrows; r += 4) dot4(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r);
+}
+
 /* mxfp4 decode over a run of rows (mx_decode_rows); without VNNI the AVX2 kernel tile by tile. */
 void ms_rows_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     if (ms_use_vbmi())
@@ -71,8 +77,7 @@ void ms_rows_mxfp4_int_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, c
     else if (ms_use_vnni())
         mx_decode_rows(m, row0, nrows, xp, out);
     else
-        for (int64_t r = 0; r < nrows; r += 4)
-            ms_dot4_mxfp4_int_avx2(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r);
+        by_tiles(ms_dot4_mxfp4_int_avx2, m, row0, nrows, xp, out);
 }
 
 /* A tile against one token: the run-of-rows kernel, whose tiles of at most four rows are computed alone. */
@@ -220,8 +225,7 @@ void ms_rows_int4_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const 
     if (ms_use_vnni())
         int4_decode(m, row0, nrows, xp, out, ms_weight_streams_for((m->cols / 32) * MS_INT4X_BYTES) == 4);
     else
-        for (int64_t r = 0; r < nrows; r += 4)
-            ms_dot4_int4_avx2(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r);
+        by_tiles(ms_dot4_int4_avx2, m, row0, nrows, xp, out);
 }
 
 /* nt tokens (a constant, 1..4) against the tile's rows, row by row: each pair of blocks' nibbles made once
@@ -371,8 +375,7 @@ void ms_rows_q8_0_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const 
     if (ms_use_vnni())
         q8_0_rows_vnni(m, row0, nrows, xp, out);
     else
-        for (int64_t r = 0; r < nrows; r += 4)
-            ms_dot4_q8_0_avx2(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r);
+        by_tiles(ms_dot4_q8_0_avx2, m, row0, nrows, xp, out);
 }
 
 VNNI_OR_AVX2(q8_0)
