@@ -53,10 +53,14 @@ static inline float finish4(__m512 acc) {
  * all R rows first, two of four were spilled to the stack and the others loaded twice (the shift's
  * operand from memory); four rows at once in cache, one thread, 7.2 -> 5.9 cycles a row's group of four
  * blocks, and prefill 7-13% faster. */
+/* With four weight streams, how far each row's prefetch reaches (Xeon, one thread from memory, A/B: 256
+ * bytes 0.92-0.93x of 512, 1024 1.05-1.09x, 2048 and 4096 as 1024). */
+#define MX_STREAM_AHEAD 1024
 static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8_t *const w[8], const int R, int64_t b,
                                                                 int k, int g, int64_t ahead, const int l2,
-                                                                const ms_mxfp4x *x, const __m512i ulut,
-                                                                const __m512 dd[8], __m512 acc[8]) {
+                                                                const int streams, const ms_mxfp4x *x,
+                                                                const __m512i ulut, const __m512 dd[8],
+                                                                __m512 acc[8]) {
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     /* block c's scale product in 128-bit lane c */
     const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(k), quad);
@@ -64,7 +68,10 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8
      * each row, so R lines a group cover it by the end of this tile. Four rows at once, prefetched as four
      * streams (each row at the same column), ran at 78-86% of the read from memory (two threads,
      * 4096x14336, read ~45 GB/s) and one stream at 86-91%; one thread 69% -> 82%. Into L2 with l2. */
-    for (int r = 0; r < R; r++) prefetch_line(w[0] + ahead + R * 16 * b + 64 * r, l2);
+    if (streams) /* R rows far apart (four weight streams, mx_decode): each row's line MX_STREAM_AHEAD on */
+        for (int r = 0; r < R; r++) prefetch_line(w[r] + MX_STREAM_AHEAD + 16 * b, 0);
+    else
+        for (int r = 0; r < R; r++) prefetch_line(w[0] + ahead + R * 16 * b + 64 * r, l2);
     int8_t *const q[3] = {x->p0 + 32 * b, x->p1 + 32 * b, x->p2 + 32 * b};
     __m512i p[6], noff;
     if (g == 4) {
@@ -93,14 +100,14 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_group(const uint8
 }
 
 static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_matrix *m, int64_t row0, const int R,
-                                                               const ms_mxfp4x *x, int64_t nb, int64_t ahead_rows,
-                                                               const int l2, int32_t nan_bits, const __m512i ulut,
-                                                               float *out) {
+                                                               int64_t rs, const ms_mxfp4x *x, int64_t nb,
+                                                               int64_t ahead_rows, const int l2, const int streams,
+                                                               int32_t nan_bits, const __m512i ulut, float *out) {
     const uint8_t *w[8], *s[8];
     __m512 acc[8], dd[8];
-    for (int r = 0; r < R; r++) {
-        w[r] = m->data + (row0 + r) * m->row_bytes;
-        s[r] = ms_mxfp4_scale_row(m, row0 + r);
+    for (int r = 0; r < R; r++) { /* rows row0, row0 + rs, ...; out[0], out[rs], ... */
+        w[r] = m->data + (row0 + r * rs) * m->row_bytes;
+        s[r] = ms_mxfp4_scale_row(m, row0 + r * rs);
         acc[r] = _mm512_setzero_ps();
     }
     const int64_t ahead = ahead_rows * m->row_bytes; /* the weights and scales ahead_rows rows on */
@@ -109,7 +116,10 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_mat
         __mmask16 km = (__mmask16)((1u << n) - 1);
         __m512 xd = n == 16 ? _mm512_loadu_ps(x->d + b0) : _mm512_maskz_loadu_ps(km, x->d + b0);
         for (int r = 0; r < R; r++) {
-            prefetch_line(s[r] + b0 + ahead_rows * nb, l2);
+            if (streams)
+                prefetch_line(s[r] + b0 + 64, 0);
+            else
+                prefetch_line(s[r] + b0 + ahead_rows * nb, l2);
             __m128i s8 = n == 16 ? _mm_loadu_si128((const __m128i *)(s[r] + b0)) : _mm_maskz_loadu_epi8(km, s[r] + b0);
             dd[r] = e8m0_scale16(s8, nan_bits, xd);
         }
@@ -118,13 +128,13 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_rows(const ms_mat
                         * ~80 GB/s 7168x2048 45 -> 54 GB/s, with the read at ~50 the same; by four, one row
                         * from memory fell to 64% of the read (70% as before) */
 #pragma GCC unroll 2
-            for (int k = 0; k < 16; k += 4) mx_group(w, R, b0 + k, k, 4, ahead, l2, x, ulut, dd, acc);
+            for (int k = 0; k < 16; k += 4) mx_group(w, R, b0 + k, k, 4, ahead, l2, streams, x, ulut, dd, acc);
         } else {
             for (int k = 0; k < n; k += 4)
-                mx_group(w, R, b0 + k, k, n - k < 4 ? n - k : 4, ahead, l2, x, ulut, dd, acc);
+                mx_group(w, R, b0 + k, k, n - k < 4 ? n - k : 4, ahead, l2, streams, x, ulut, dd, acc);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = finish4(acc[r]);
+    for (int r = 0; r < R; r++) out[r * rs] = finish4(acc[r]);
 }
 
 /* The doubled E2M1 values + 12 in each 128-bit lane (mx_nibbles' table), and the bits of the scale table's
@@ -151,11 +161,11 @@ static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_
     int32_t nan_bits;
     const __m512i ulut = mx_consts(&nan_bits);
     if (nrows == 4) {
-        mx_rows(m, row0, 4, &x, nb, prefill ? 4 : prefetch_rows(m->row_bytes, 4, 4), l2, nan_bits, ulut, out);
+        mx_rows(m, row0, 4, 1, &x, nb, prefill ? 4 : prefetch_rows(m->row_bytes, 4, 4), l2, 0, nan_bits, ulut, out);
         return;
     }
     const int64_t ahead_rows = prefill ? 4 : prefetch_rows(m->row_bytes, 1, 1);
-    for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, &x, nb, ahead_rows, l2, nan_bits, ulut, out + r);
+    for (int r = 0; r < nrows; r++) mx_rows(m, row0 + r, 1, 1, &x, nb, ahead_rows, l2, 0, nan_bits, ulut, out + r);
 }
 
 /* Decode of a run of rows. A token whose activations pass MX_EIGHT_ROWS_BYTES (rows wider than 9024
@@ -165,19 +175,34 @@ static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_
  * -> 81-88% of the read, never less. In a C harness the gain moved with where the buffers lay (+9% at one
  * placement, none with random offsets). Narrower rows lose by it (harness: 7168x2048 -7%, 3584x3072
  * -10%) and run tile by tile. Each row's arithmetic is the same whatever the rows beside it, so the bits
- * are those of a tile alone. With l2 the prefetches go to L2 (ms_prefetch_into_l2). */
+ * are those of a tile alone. With l2 the prefetches go to L2 (ms_prefetch_into_l2).
+ * With four weight streams (ms_weight_streams_for: Intel, and a small L1 for wide rows), the run is taken
+ * as four runs of consecutive rows, a row of each four at a time, each row prefetched on its own line
+ * MX_STREAM_AHEAD bytes on, as the q4_k, q6_k, q8_0 and int4 kernels read on Intel: Xeon (L1d 48 KB),
+ * in-process A/B against four adjacent rows a tile, one / two threads from memory: 4096x14336 1.41 / 1.27x,
+ * 7168x2048 1.20 / 1.17x, 3584x3072 1.25 / 1.25x, kernels.py 60-64% -> 77-83% of the read at two threads.
+ * Eight runs instead of four: the same (0.95-1.02x). Not measured on Zen 4, whose rows past ~3400 columns
+ * (a token's activations past 3/8 of its 32 KB L1) now take this path as well. */
 #define MX_EIGHT_ROWS_BYTES 32768
 static inline __attribute__((always_inline)) MX_TARGET void mx_decode(const ms_matrix *m, int64_t row0,
                                                                  int64_t nrows, const float *xp, float *out,
                                                                  const int l2) {
     const int64_t nb = m->cols / 32;
     int64_t r = 0;
-    if (nb * MS_MXFP4X_BYTES > MX_EIGHT_ROWS_BYTES && nrows >= 8) {
+    if (ms_weight_streams_for(nb * MS_MXFP4X_BYTES) == 4 && nrows >= 4) {
+        ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
+        int32_t nan_bits;
+        const __m512i ulut = mx_consts(&nan_bits);
+        const int64_t q = nrows / 4;
+        for (int64_t i = 0; i < q; i++) mx_rows(m, row0 + i, 4, q, &x, nb, 0, 0, 1, nan_bits, ulut, out + i);
+        r = 4 * q;
+    } else if (nb * MS_MXFP4X_BYTES > MX_EIGHT_ROWS_BYTES && nrows >= 8) {
         ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
         int32_t nan_bits;
         const __m512i ulut = mx_consts(&nan_bits);
         const int64_t ahead_rows = prefetch_rows(m->row_bytes, 8, 8);
-        for (; r + 8 <= nrows; r += 8) mx_rows(m, row0 + r, 8, &x, nb, ahead_rows, l2, nan_bits, ulut, out + r);
+        for (; r + 8 <= nrows; r += 8)
+            mx_rows(m, row0 + r, 8, 1, &x, nb, ahead_rows, l2, 0, nan_bits, ulut, out + r);
     }
     for (; r < nrows; r += 4) mxfp4_tile(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, out + r, 0, l2);
 }

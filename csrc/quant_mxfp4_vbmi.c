@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "matmul.h"
 #include "quant.h"
 #include "quant_int8.h"
 
