@@ -32,6 +32,11 @@ int ms_set_weight_streams(int n); /* 0; -1 unless n is 0, 1 or 4 */
 /* Where the decode kernels' software prefetches go: level 1, into L1; level 2 (the default where the L1
  * data cache is smaller than 48 KB), those reaching more than a quarter of the L1 ahead into L2 only
  * (ms_prefetch_into_l2, quant_int8.h). The same bits either way. */
+/* q4_k's VNNI gemm: 1 when it pairs two sub-blocks' lane sums per vpdpwssd, 0 when it takes one (the same
+ * bits either way); the setting 0 (automatic: one on Intel, two elsewhere), 1 or 2 */
+int ms_q4k_pairs(void);
+int ms_q4k_pairs_setting(void);
+int ms_set_q4k_pairs(int n); /* 0; -1 unless n is 0, 1 or 2 */
 int ms_prefetch_level(void);
 int ms_set_prefetch_level(int level); /* 0; -1 unless level is 1 or 2 */
 long ms_l1d_bytes(void);               /* the L1 data cache per core as the C library reports it; 0 unknown */

@@ -351,6 +351,17 @@ static PyObject *py_set_weight_streams(PyObject *self, PyObject *args) {
     return set_setting(args, ms_set_weight_streams, "weight streams must be 0 (automatic), 1 or 4");
 }
 
+static PyObject *py_set_q4k_pairs(PyObject *self, PyObject *args) {
+    (void)self;
+    return set_setting(args, ms_set_q4k_pairs, "q4_k gemm pairs must be 0 (automatic), 1 or 2");
+}
+
+static PyObject *py_get_q4k_pairs(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return Py_BuildValue("ii", ms_q4k_pairs_setting(), ms_q4k_pairs() ? 2 : 1);
+}
+
 static PyObject *py_set_prefetch_level(PyObject *self, PyObject *args) {
     (void)self;
     return set_setting(args, ms_set_prefetch_level, "the prefetch level must be 1 or 2");
@@ -711,6 +722,10 @@ static PyMethodDef methods[] = {
      "set_weight_streams(n): runs of rows a thread's decode kernels read at once, 1 or 4, or 0: chosen for "
      "each product (the default; the same bits either way)"},
     {"get_weight_streams", py_get_weight_streams, METH_NOARGS, "the setting of set_weight_streams"},
+    {"set_q4k_pairs", py_set_q4k_pairs, METH_VARARGS,
+     "set_q4k_pairs(n): the lane sums of how many vpdpbusd each vpdpwssd of q4_k's VNNI gemm takes, 1 or 2, or "
+     "0: one on Intel, two elsewhere (the default; the same bits either way)"},
+    {"get_q4k_pairs", py_get_q4k_pairs, METH_NOARGS, "(the setting of set_q4k_pairs, the number in use)"},
     {"weight_streams_for", py_weight_streams_for, METH_VARARGS,
      "weight_streams_for(x_bytes): the streams of a product whose token's prepared activations take x_bytes"},
     {"set_prefetch_level", py_set_prefetch_level, METH_VARARGS,

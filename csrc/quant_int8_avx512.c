@@ -425,9 +425,10 @@ static _Thread_local int64_t q4k_grp_cap;
  * activation load serves the R rows; every row and token keeps its own chains, so its bits do not depend
  * on R. */
 static inline __attribute__((always_inline)) VNNI void q4k_rows(const q4k_unpacked *buf, int64_t nb, int r0,
-                                                                const int R, const __m512i spair[2],
-                                                                const char *xp, int64_t stride, const int nt,
-                                                                float *out, int64_t out_stride) {
+                                                                const int R, const int paired,
+                                                                const __m512i spair[4], const char *xp,
+                                                                int64_t stride, const int nt, float *out,
+                                                                int64_t out_stride) {
     const __m512i dpair[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
                               _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 12, 12, 12, 12, 12, 12, 12, 12)};
     const q4k_group *g = q4k_grp;
@@ -441,7 +442,22 @@ static inline __attribute__((always_inline)) VNNI void q4k_rows(const q4k_unpack
         __m512i acc[2][4];
         for (int j = 0; j < R; j++)
             for (int i = 0; i < nt; i++) acc[j][i] = _mm512_setzero_si512();
-        for (int k = 0; k < 4; k += 2) {
+        for (int k = 0; k < 4 && !paired; k++) { /* sub-blocks 2k, 2k + 1: one vpdpwssd a vpdpbusd */
+            __m512i q0[2], sc[2];
+            for (int j = 0; j < R; j++) {
+                q0[j] = _mm512_load_si512(&u[j][b].q[2 * k]);
+                sc[j] = _mm512_maskz_permutexvar_epi16(0x55555555u, spair[k], _mm512_castsi128_si512(u[j][b].sc));
+            }
+            for (int i = 0; i < nt; i++) {
+                const __m512i x0 = _mm512_load_si512(((const ms_q8_kx *)(xp + i * stride) + b)->q + 64 * k);
+                for (int j = 0; j < R; j++) {
+                    const __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q0[j], x0);
+                    acc[j][i] = _mm512_dpwssd_epi32(acc[j][i], a0, sc[j]);
+                    KEEP_IN_REGISTER(acc[j][i]);
+                }
+            }
+        }
+        for (int k = 0; k < 4 && paired; k += 2) {
             __m512i q0[2], q1[2], sc[2];
             for (int j = 0; j < R; j++) {
                 q0[j] = _mm512_load_si512(&u[j][b].q[2 * k]);
@@ -479,9 +495,10 @@ static inline __attribute__((always_inline)) VNNI void q4k_rows(const q4k_unpack
     }
 }
 
-static inline __attribute__((always_inline)) VNNI void q4k_tokens(const q4k_unpacked *buf, int64_t nb, int nrows,
-                                                                  const char *xp, int64_t stride, int nt,
-                                                                  float *out, int64_t out_stride) {
+static inline __attribute__((always_inline)) VNNI void q4k_tokens_as(const int paired, const q4k_unpacked *buf,
+                                                                     int64_t nb, int nrows, const char *xp,
+                                                                     int64_t stride, int nt, float *out,
+                                                                     int64_t out_stride) {
     /* vpdpbusd sums 4 products a lane, per sub-block: a0 holds sub-blocks 2k (lanes 0..7) and 2k + 1 (8..15),
      * a1 sub-blocks 2k + 2 and 2k + 3 (each |sum| <= 4 * 15 * 127, exact in int16). A word blend puts a1's
      * lane in the high int16 of a0's (a1 shifted up by 16), and vpdpwssd multiplies the pair by their
@@ -491,16 +508,22 @@ static inline __attribute__((always_inline)) VNNI void q4k_tokens(const q4k_unpa
      * lanes L and 8 + L before took their pipes. With that, pair_epilogue's blend and two rows a pass
      * (q4k_rows), Zen 4, one thread, a 4 x 2048 tile in L1: 13.4 -> 12.2 cycles a block and token at 8
      * tokens, 10.9 -> 9.4 at 64; kernels_ab.py --tokens 8, 768x2048 and 2048x768: 1.11-1.15x. */
-    __m512i spair[2];
+    /* paired: the scales of sub-blocks 2k, 2k + 2 (lanes 0..7) and 2k + 1, 2k + 3 (8..15) as int16 pairs in
+     * spair[k / 2]; else those of 2k (lanes 0..7) and 2k + 1 (8..15) in the low int16 of spair[k] */
+    __m512i spair[4];
     {
-        short si[2][32];
+        short si[4][32];
         for (int L = 0; L < 8; L++)
-            for (int h = 0; h < 2; h++) {
-                si[h][2 * L] = (short)(4 * h), si[h][2 * L + 1] = (short)(4 * h + 2);
-                si[h][16 + 2 * L] = (short)(4 * h + 1), si[h][16 + 2 * L + 1] = (short)(4 * h + 3);
+            for (int h = 0; h < 4; h++) {
+                if (paired && h < 2) {
+                    si[h][2 * L] = (short)(4 * h), si[h][2 * L + 1] = (short)(4 * h + 2);
+                    si[h][16 + 2 * L] = (short)(4 * h + 1), si[h][16 + 2 * L + 1] = (short)(4 * h + 3);
+                } else {
+                    si[h][2 * L] = (short)(2 * h), si[h][16 + 2 * L] = (short)(2 * h + 1);
+                    si[h][2 * L + 1] = si[h][16 + 2 * L + 1] = 0;
+                }
             }
-        spair[0] = _mm512_loadu_si512(si[0]);
-        spair[1] = _mm512_loadu_si512(si[1]);
+        for (int h = 0; h < 4; h++) spair[h] = _mm512_loadu_si512(si[h]);
     }
     q4k_group *g = q4k_grp;
     for (int64_t b = 0; b < nb; b++) {
@@ -516,14 +539,42 @@ static inline __attribute__((always_inline)) VNNI void q4k_tokens(const q4k_unpa
         g[b].d = d;
     }
     int r = 0;
-    for (; r + 2 <= nrows; r += 2) q4k_rows(buf, nb, r, 2, spair, xp, stride, nt, out, out_stride);
-    if (r < nrows) q4k_rows(buf, nb, r, 1, spair, xp, stride, nt, out, out_stride);
+    for (; r + 2 <= nrows; r += 2) q4k_rows(buf, nb, r, 2, paired, spair, xp, stride, nt, out, out_stride);
+    if (r < nrows) q4k_rows(buf, nb, r, 1, paired, spair, xp, stride, nt, out, out_stride);
+}
+
+static VNNI void q4k_tokens_paired(const q4k_unpacked *buf, int64_t nb, int nrows, const char *xp, int64_t stride,
+                                   int nt, float *out, int64_t out_stride) {
+    if (nt == 4)
+        q4k_tokens_as(1, buf, nb, nrows, xp, stride, 4, out, out_stride);
+    else if (nt == 3)
+        q4k_tokens_as(1, buf, nb, nrows, xp, stride, 3, out, out_stride);
+    else if (nt == 2)
+        q4k_tokens_as(1, buf, nb, nrows, xp, stride, 2, out, out_stride);
+    else
+        q4k_tokens_as(1, buf, nb, nrows, xp, stride, 1, out, out_stride);
+}
+
+static VNNI void q4k_tokens_single(const q4k_unpacked *buf, int64_t nb, int nrows, const char *xp, int64_t stride,
+                                   int nt, float *out, int64_t out_stride) {
+    if (nt == 4)
+        q4k_tokens_as(0, buf, nb, nrows, xp, stride, 4, out, out_stride);
+    else if (nt == 3)
+        q4k_tokens_as(0, buf, nb, nrows, xp, stride, 3, out, out_stride);
+    else if (nt == 2)
+        q4k_tokens_as(0, buf, nb, nrows, xp, stride, 2, out, out_stride);
+    else
+        q4k_tokens_as(0, buf, nb, nrows, xp, stride, 1, out, out_stride);
 }
 
 static VNNI void gemm_q4_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride,
                                 int64_t T, float *out, int64_t out_stride) {
-    GEMM_OVER_TILE(q4k_buf, q4k_cap, q4k_unpack_tile, q4k_tokens, ms_dot4_q4_k_avx2,
-                   grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group)));
+    if (ms_q4k_pairs())
+        GEMM_OVER_TILE(q4k_buf, q4k_cap, q4k_unpack_tile, q4k_tokens_paired, ms_dot4_q4_k_avx2,
+                       grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group)));
+    else
+        GEMM_OVER_TILE(q4k_buf, q4k_cap, q4k_unpack_tile, q4k_tokens_single, ms_dot4_q4_k_avx2,
+                       grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group)));
 }
 
 void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,

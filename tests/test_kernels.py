@@ -102,6 +102,37 @@ def test_matmul_independent_of_threads_and_batch(isa, fmt):
         assert w.matmul(x[:n], threads=2).tobytes() == base[:n].tobytes()
 
 
+def test_q4_k_gemm_same_bits_with_one_or_two_sub_block_pairs_per_vpdpwssd():
+    """q4_k's VNNI gemm gives every batch the scalar kernel's bits whether each vpdpwssd takes the lane sums of
+    one vpdpbusd (Intel's default) or of two paired by a word blend (elsewhere), over token groups of 4, 3, 2
+    and 1 and a last odd row; the setting refuses other values and reports what is in use."""
+    w = make_weight("q4_k", 37, 768)
+    x = np.random.default_rng(4).standard_normal((11, w.cols)).astype(np.float32)
+    before_isa, before = _C.get_isa(), _C.get_q4k_pairs()[0]
+    try:
+        _C.set_isa("scalar")
+        ref = w.matmul(x, threads=1)
+        vnni = [i for i in _C.supported_isas() if i in ("avx512vnni", "avx512vbmi")]
+        for isa in vnni:
+            _C.set_isa(isa)
+            for n in (1, 2):
+                _C.set_q4k_pairs(n)
+                assert _C.get_q4k_pairs() == (n, n)
+                for T in (2, 3, 5, 8, 11):
+                    for threads in (1, 3):
+                        assert w.matmul(x[:T], threads=threads).tobytes() == ref[:T].tobytes(), (isa, n, T)
+        _C.set_q4k_pairs(0)
+        with open("/proc/cpuinfo") as f:
+            intel = "GenuineIntel" in f.read()
+        assert _C.get_q4k_pairs() == (0, 1 if intel else 2)
+        for n in (-1, 3):
+            with pytest.raises(ValueError, match="0 \\(automatic\\), 1 or 2"):
+                _C.set_q4k_pairs(n)
+    finally:
+        _C.set_isa(before_isa)
+        _C.set_q4k_pairs(before)
+
+
 @pytest.fixture
 def weight_streams():
     before = _C.get_weight_streams(), _C.get_prefetch_level()
