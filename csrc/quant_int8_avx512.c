@@ -543,38 +543,23 @@ static inline __attribute__((always_inline)) VNNI void q4k_tokens_as(const int p
     if (r < nrows) q4k_rows(buf, nb, r, 1, paired, spair, xp, stride, nt, out, out_stride);
 }
 
-static VNNI void q4k_tokens_paired(const q4k_unpacked *buf, int64_t nb, int nrows, const char *xp, int64_t stride,
-                                   int nt, float *out, int64_t out_stride) {
-    if (nt == 4)
-        q4k_tokens_as(1, buf, nb, nrows, xp, stride, 4, out, out_stride);
-    else if (nt == 3)
-        q4k_tokens_as(1, buf, nb, nrows, xp, stride, 3, out, out_stride);
-    else if (nt == 2)
-        q4k_tokens_as(1, buf, nb, nrows, xp, stride, 2, out, out_stride);
-    else
-        q4k_tokens_as(1, buf, nb, nrows, xp, stride, 1, out, out_stride);
-}
-
-static VNNI void q4k_tokens_single(const q4k_unpacked *buf, int64_t nb, int nrows, const char *xp, int64_t stride,
-                                   int nt, float *out, int64_t out_stride) {
-    if (nt == 4)
-        q4k_tokens_as(0, buf, nb, nrows, xp, stride, 4, out, out_stride);
-    else if (nt == 3)
-        q4k_tokens_as(0, buf, nb, nrows, xp, stride, 3, out, out_stride);
-    else if (nt == 2)
-        q4k_tokens_as(0, buf, nb, nrows, xp, stride, 2, out, out_stride);
-    else
-        q4k_tokens_as(0, buf, nb, nrows, xp, stride, 1, out, out_stride);
+/* q4k_tokens_as with the group's size and the pairing (ms_q4k_pairs) as constants */
+static VNNI void q4k_tokens(const q4k_unpacked *buf, int64_t nb, int nrows, const char *xp, int64_t stride, int nt,
+                            float *out, int64_t out_stride) {
+    switch (2 * nt + ms_q4k_pairs()) {
+#define Q4K_CASE(N, P) \
+    case 2 * N + P: q4k_tokens_as(P, buf, nb, nrows, xp, stride, N, out, out_stride); break;
+        Q4K_CASE(4, 1) Q4K_CASE(4, 0) Q4K_CASE(3, 1) Q4K_CASE(3, 0) Q4K_CASE(2, 1) Q4K_CASE(2, 0) Q4K_CASE(1, 1)
+        Q4K_CASE(1, 0)
+#undef Q4K_CASE
+        default: break;
+    }
 }
 
 static VNNI void gemm_q4_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride,
                                 int64_t T, float *out, int64_t out_stride) {
-    if (ms_q4k_pairs())
-        GEMM_OVER_TILE(q4k_buf, q4k_cap, q4k_unpack_tile, q4k_tokens_paired, ms_dot4_q4_k_avx2,
-                       grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group)));
-    else
-        GEMM_OVER_TILE(q4k_buf, q4k_cap, q4k_unpack_tile, q4k_tokens_single, ms_dot4_q4_k_avx2,
-                       grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group)));
+    GEMM_OVER_TILE(q4k_buf, q4k_cap, q4k_unpack_tile, q4k_tokens, ms_dot4_q4_k_avx2,
+                   grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group)));
 }
 
 void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
