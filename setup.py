@@ -8,6 +8,7 @@ SOURCES = [
     "csrc/gemm_f32.c",
     "csrc/kda.c",
     "csrc/combine_rows.c",
+    "csrc/moe_combine.c",
     "csrc/norm.c",
     "csrc/io.c",
     "csrc/matmul.c",

@@ -73,6 +73,11 @@ int ms_combine_rows(const ms_matrix *m, int64_t first, int64_t stride, int H, in
  * when fp8's 128-row scale blocks do not line up with the blocks of rows. */
 int ms_block_rows_matmul(const ms_matrix *m, int64_t first, int64_t stride, int H, int V, const float *x, float *out,
                          int nthreads);
+/* out [T, width]: out[t] = ys[rows[t, 0]] * w[t, 0] + ys[rows[t, 1]] * w[t, 1] + ... (rows, w [T, k]; ys [N,
+ * width]), each multiply and add a float32 operation of its own, in top-k order: a MoE layer's sum of its
+ * experts' outputs, as numpy computes it. Threads split the tokens (csrc/moe_combine.c). */
+void ms_moe_combine(const float *ys, int64_t width, const int64_t *rows, const float *w, int64_t T, int k, float *out,
+                    int nthreads);
 /* Reads n bytes as a memory bandwidth baseline, each thread its share as `streams` runs read 256 bytes from
  * each in turn (1..64); returns the sum over threads of the low 16 bits of the XOR of their share's 8-byte
  * words (the bytes past the last whole word XORed in alone), the same for any `streams`. */

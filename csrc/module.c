@@ -624,6 +624,56 @@ static PyObject *py_block_rows_matmul(PyObject *self, PyObject *args) {
     return block_rows(args, 1);
 }
 
+/* moe_combine(ys [N, width], rows int64 [T, k], w [T, k], out [T, width], threads) */
+static PyObject *py_moe_combine(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj[4];
+    long long width, T;
+    int k, threads;
+    if (!PyArg_ParseTuple(args, "OOOOLLii", &obj[0], &obj[1], &obj[2], &obj[3], &width, &T, &k, &threads)) return NULL;
+    Py_buffer ys, rows, w, out;
+    PyObject *ret = NULL;
+    if (get_f32(obj[0], &ys, 0, "ys") < 0) return NULL;
+    if (PyObject_GetBuffer(obj[1], &rows, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto release_ys;
+    const char *f = rows.format ? rows.format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+    if ((strcmp(f, "q") != 0 && strcmp(f, "l") != 0) || rows.itemsize != 8 || (uintptr_t)rows.buf % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError, "moe_combine: rows must be aligned int64");
+        goto release_rows;
+    }
+    if (get_f32(obj[2], &w, 0, "w") < 0) goto release_rows;
+    if (get_f32(obj[3], &out, 1, "out") < 0) goto release_w;
+    const long long n = width > 0 ? ys.len / 4 / width : 0;
+    if (width <= 0 || T < 0 || k < 1 || ys.len != n * width * 4 || rows.len != T * k * 8 || w.len != T * k * 4 ||
+        out.len != T * width * 4) {
+        PyErr_Format(PyExc_ValueError,
+                     "moe_combine: ys of %zd bytes, rows of %zd, w of %zd, out of %zd for width %lld, %lld tokens, "
+                     "k %d do not add up",
+                     ys.len, rows.len, w.len, out.len, width, T, k);
+        goto release_out;
+    }
+    const int64_t *r = rows.buf;
+    for (long long i = 0; i < T * k; i++)
+        if (r[i] < 0 || r[i] >= n) {
+            PyErr_Format(PyExc_ValueError, "moe_combine: row %lld outside the %lld rows of ys", (long long)r[i], n);
+            goto release_out;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    ms_moe_combine(ys.buf, width, r, w.buf, T, k, out.buf, threads);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    ret = Py_None;
+release_out:
+    PyBuffer_Release(&out);
+release_w:
+    PyBuffer_Release(&w);
+release_rows:
+    PyBuffer_Release(&rows);
+release_ys:
+    PyBuffer_Release(&ys);
+    return ret;
+}
+
 static PyObject *py_gemm_f32(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *obj[3];
@@ -699,6 +749,9 @@ static PyMethodDef methods[] = {
     {"gqa_decode", py_gqa_decode, METH_VARARGS,
      "gqa_decode(q, k, v, kcache, vcache, pos, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, "
      "interleave, scaling, window, out, threads): one token's attention, its key and value written at pos"},
+    {"moe_combine", py_moe_combine, METH_VARARGS,
+     "moe_combine(ys, rows, w, out, width, T, k, threads): out[t] = ys[rows[t, 0]] * w[t, 0] + ys[rows[t, 1]] * "
+     "w[t, 1] + ..., numpy's float32 multiplies and adds in top-k order"},
     {"combine_rows", py_combine_rows, METH_VARARGS,
      "combine_rows(fmt, w, scales, rows, cols, coef, out, first, stride, H, N, threads): out[h] = sum over n < N of "
      "coef[h, n] * W[first + h * stride + n] (csrc/matmul.h)"},

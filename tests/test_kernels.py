@@ -722,3 +722,35 @@ def test_block_rows_refuse_what_does_not_add_up():
     fp8 = make_weight("fp8", 512, 64)
     with pytest.raises(ValueError, match="multiples of 128"):
         fp8.block_rows_matmul(np.ones((2, 64), np.float32), 16, 256, 128, 1)
+
+
+def test_moe_combine_has_numpy_bits_and_refuses_bad_input():
+    """A MoE layer's weighted sum of its experts' rows in C: bit for bit numpy's float32 gathers, multiplies and
+    adds in top-k order (the formulation mix_experts had), for prefill batches, one token (decode) and k = 1, on
+    1-3 threads; rows outside ys, a wrong dtype or sizes that do not add up are refused."""
+    from moestream.models.base import Ctx, combine_slots
+
+    rng = np.random.default_rng(5)
+    for T, k, n, width in ((37, 8, 300, 515), (1, 8, 8, 2048), (5, 1, 9, 64)):
+        ys = rng.standard_normal((n, width)).astype(np.float32)
+        rows = rng.integers(0, n, size=(T, k))
+        w = rng.random((T, k)).astype(np.float32)
+        want = ys[rows[:, 0]] * w[:, :1]
+        for j in range(1, k):
+            want += ys[rows[:, j]] * w[:, j : j + 1]
+        for threads in (1, 2, 3):
+            assert combine_slots(ys, rows, w, Ctx(threads)).tobytes() == want.tobytes(), (T, k, threads)
+    ys, w, out = np.ones((4, 8), np.float32), np.ones((2, 3), np.float32), np.empty((2, 8), np.float32)
+    rows = np.zeros((2, 3), np.int64)
+    _C.moe_combine(ys, rows, w, out, 8, 2, 3, 1)
+    assert np.all(out == 3)
+    bad_rows = rows.copy()
+    bad_rows[1, 2] = 4
+    with pytest.raises(ValueError, match="row 4 outside the 4 rows"):
+        _C.moe_combine(ys, bad_rows, w, out, 8, 2, 3, 1)
+    with pytest.raises(ValueError, match="int64"):
+        _C.moe_combine(ys, rows.astype(np.int32), w, out, 8, 2, 3, 1)
+    with pytest.raises(ValueError, match="float32"):
+        _C.moe_combine(ys.astype(np.float64), rows, w, out, 8, 2, 3, 1)
+    with pytest.raises(ValueError, match="do not add up"):
+        _C.moe_combine(ys, rows, w, out, 8, 2, 2, 1)
