@@ -17,6 +17,7 @@ typedef enum {
     MS_LEVEL_AVX512,
     MS_LEVEL_AVX512_VNNI,
     MS_LEVEL_AVX512_VBMI, /* VNNI and VBMI */
+    MS_LEVEL_AMX,         /* and AMX-INT8 for q4_k's gemm of many tokens (quant_q4k_amx.c) */
     MS_NUM_LEVELS
 } ms_level;
 int ms_level_supported(ms_level level);
@@ -42,6 +43,11 @@ int ms_set_prefetch_level(int level); /* 0; -1 unless level is 1 or 2 */
 long ms_l1d_bytes(void);               /* the L1 data cache per core as the C library reports it; 0 unknown */
 int ms_use_vnni(void);            /* the AVX-512 integer kernels take their VNNI paths */
 int ms_use_vbmi(void);            /* and mxfp4's its VBMI path */
+int ms_use_amx(void);             /* and q4_k's gemm of many tokens its AMX path */
+int ms_amx_usable(void);          /* the CPU has AMX-INT8 and Linux lets this process use it */
+/* q4_k against T tokens for a thread's whole run of rows [row0, row0 + nrows) with AMX (out as a gemm's) */
+void ms_gemm_run_q4_k_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
+                          float *out, int64_t out_stride);
 
 /* out[t, r] = dot(W[r, :], x[t, :]) for t < T, r < rows; x is [T, cols], out is [T, rows]. Threads
  * split the rows; every element has the canonical reduction order, so the result does not depend on

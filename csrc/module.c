@@ -13,7 +13,7 @@
 #include "quant_int8.h"
 #include "norm.h"
 
-static const char *level_names[MS_NUM_LEVELS] = {"scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi"};
+static const char *level_names[MS_NUM_LEVELS] = {"scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi", "amx"};
 
 /* Fills an ms_matrix from Python arguments and checks every size against the buffers. Returns 0, or
  * -1 with a Python exception set. The caller releases the buffers. */
@@ -770,7 +770,8 @@ static PyMethodDef methods[] = {
      "(bandwidth baseline); a checksum that does not depend on streams"},
     {"get_isa", py_get_isa, METH_NOARGS, "the kernel path in use (see set_isa)"},
     {"set_isa", py_set_isa, METH_VARARGS,
-     "set_isa(name): force scalar, avx2, avx512 (integer kernels without VNNI), avx512vnni or avx512vbmi"},
+     "set_isa(name): force scalar, avx2, avx512 (integer kernels without VNNI), avx512vnni, avx512vbmi or amx "
+     "(q4_k's gemm of 24 tokens or more with AMX-INT8)"},
     {"set_weight_streams", py_set_weight_streams, METH_VARARGS,
      "set_weight_streams(n): runs of rows a thread's decode kernels read at once, 1 or 4, or 0: chosen for "
      "each product (the default; the same bits either way)"},

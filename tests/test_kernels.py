@@ -14,7 +14,8 @@ from moestream import _C
 from moestream.quant import FORMATS, Weight, blocks, dequantize_reference, matmul_many
 from moestream.quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
 
-ISAS = ["scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi"]  # avx512: integer kernels without VNNI (Skylake-X)
+# avx512: integer kernels without VNNI (Skylake-X); amx: avx512vbmi's, and q4_k's gemm of many tokens with AMX
+ISAS = ["scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi", "amx"]
 SHAPES = [(1, 1), (5, 17), (37, 53), (130, 300), (64, 2048)]
 MX_SHAPES = [(1, 32), (5, 64), (37, 96), (130, 320), (64, 2048)]  # mxfp4: cols divisible by 32
 
@@ -754,3 +755,25 @@ def test_moe_combine_has_numpy_bits_and_refuses_bad_input():
         _C.moe_combine(ys.astype(np.float64), rows, w, out, 8, 2, 3, 1)
     with pytest.raises(ValueError, match="do not add up"):
         _C.moe_combine(ys, rows, w, out, 8, 2, 2, 1)
+
+
+@pytest.mark.skipif("amx" not in _C.supported_isas(), reason="this CPU (or its kernel) gives no AMX-INT8")
+@pytest.mark.parametrize("shape", [(16, 256), (37, 768), (203, 2048), (20, 4096)])
+def test_q4_k_amx_gemm_gives_the_scalar_bits(shape):
+    """q4_k's gemm of 24 tokens or more with AMX-INT8 (rows of up to 2048 columns; wider ones keep the VNNI
+    gemm) gives every token the scalar kernel's bits: tile tails of rows (16 at a time) and of tokens (8 at a
+    time), 1-3 threads, each token as it is alone."""
+    w = make_weight("q4_k", *shape)
+    x = np.random.default_rng(6).standard_normal((47, w.cols)).astype(np.float32)
+    before = _C.get_isa()
+    try:
+        _C.set_isa("scalar")
+        ref = w.matmul(x, threads=1)
+        one = w.matmul(x[:1], threads=1)
+        _C.set_isa("amx")
+        for T in (24, 25, 31, 33, 47):
+            for threads in (1, 2, 3):
+                assert w.matmul(x[:T], threads=threads).tobytes() == ref[:T].tobytes(), (shape, T, threads)
+        assert ref[:1].tobytes() == one.tobytes()
+    finally:
+        _C.set_isa(before)

@@ -1,0 +1,330 @@
+/* q4_k against several tokens with AMX-INT8 (Xeon Sapphire Rapids and later): the tile multiply-adds of
+ * 16 weight rows by 8 tokens at a time give every row and token the exact integer lane sums of the
+ * canonical order (quant_int8.c), and the float epilogue is the decode kernel's, so the bits are those of
+ * every other path.
+ *
+ * Canonical lane L of a block is sum_j sc_j * sum_{p < 4} q[j][4L + p] * x[32 j + 4L + p] over its 8
+ * sub-blocks j. The scales go into the weights: for each row, lane L's 32 weights (4 of each sub-block)
+ * become 32 int16 products sc_j * q (at most 63 * 15 = 945), laid out as one tile row of 64 bytes, the
+ * products at the even positions first (their low and high bytes), then those at the odd ones (the
+ * weight tile A_L: 16 rows x 64 bytes). TDPBUSD multiplies those unsigned bytes by signed activation
+ * bytes four at a time; the activation tile B_L holds, for each of 8 tokens, x under the low bytes (zero
+ * under the high ones) in columns 0..7 and x under the high bytes in columns 8..15, so that
+ * C_L[row][t] + 256 * C_L[row][8 + t] is lane L's exact sum (|sum| <= 32 * 945 * 127 < 2^22). Each block
+ * then gets, per row and token, f[L] = fmaf(lane_L, d * d(x), f[L]) and the mins' 4 lanes as in
+ * ms_dot4_q4_k_scalar; the rows' sums are reduced as there at the end.
+ *
+ * A thread takes its whole run of rows in one call (ms_matmul_many): the activation tiles of all its
+ * tokens are laid out once, then 16 rows at a time are turned into weight tiles and run against every
+ * group of 8 tokens. ms_matmul_many takes this path from 24 tokens and for rows of up to 2048 columns
+ * (amx_gemm, csrc/matmul.c): with fewer tokens the weight tiles' layout (~40 cycles a row's block, once
+ * for every 8 tokens), the tile loads and stores (a tile's load, tdpbusd and store ~40 cycles where tdpbusd
+ * alone takes 18) and the float epilogue cost more than the VNNI gemm's arithmetic (768x2048 at 8 tokens:
+ * 0.78-0.83x). Overlapping a block's epilogue with the next block's tiles was slower (0.75-0.91x). */
+#define _GNU_SOURCE /* syscall */
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,amx-tile,amx-int8")
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "matmul.h"
+#include "quant.h"
+#include "quant_int8.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Whether this process may use the AMX tile registers (Linux asks each process to request them). */
+int ms_amx_usable(void) {
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned a, b, c, d;
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        const int cpu = (d >> 24 & 1) && (d >> 25 & 1); /* AMX-TILE, AMX-INT8 */
+        usable = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return usable;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Every tile 16 rows of 64 bytes, loaded once per thread (the configuration is per thread). */
+static _Thread_local int configured;
+static void configure_tiles(void) {
+    if (configured) return;
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+    configured = 1;
+}
+
+/* The sub-block of position t (0..31) of a lane's 32 weights: t < 16 the low nibbles of the 4 pairs of
+ * sub-blocks (0, 2, 4, 6), then the high ones (1, 3, 5, 7); its column in the sub-block is 4L + t % 4. */
+static inline int chunk_of(int t) { return t < 16 ? 2 * (t / 4) : 2 * ((t - 16) / 4) + 1; }
+
+typedef struct {
+    int8_t a[8][16][64]; /* per lane, the weight tile */
+    float d[16], dmin[16];
+    __m128i mn[16]; /* the 8 mins as int16 */
+} amx_block;          /* one block of 16 rows */
+
+typedef struct {
+    int32_t b[8][16][16]; /* per lane, the activation tile (16 rows of 16 dwords) */
+    __m512 dx2;            /* tokens' d(x) in floats t and 8 + t (0 beyond the group) */
+    __m512 dx4[2];         /* token 4h + i's d(x) in floats 4i..4i+3 of [h] */
+    __m512i bsums[2];      /* token 4h + i's 8 bsums in 128-bit lane i of [h] */
+} amx_xblock;             /* one block of a group of 8 tokens */
+
+static _Thread_local amx_block *wbuf;
+static _Thread_local int64_t wcap;
+static _Thread_local amx_xblock *xbuf;
+static _Thread_local int64_t xcap;
+
+static int grow_buf(void **buf, int64_t *cap, int64_t need, size_t size) {
+    if (*cap >= need) return 1;
+    free(*buf);
+    *buf = aligned_alloc(64, (size_t)need * size);
+    *cap = *buf ? need : 0;
+    return *buf != NULL;
+}
+
+static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+
+/* out[j] (16 dwords) = dword j of in[0..15]: a 16 x 16 transpose of dwords. */
+static inline void transpose16(const __m512i in[16], int32_t out[16][16]) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(in[2 * k], in[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(in[2 * k], in[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) { /* u[4k + m], 128-bit lane c: column 4c + m of rows 4k..4k+3 */
+        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+        _mm512_storeu_si512(out[m], _mm512_shuffle_i32x4(v0, v1, 0x88));
+        _mm512_storeu_si512(out[4 + m], _mm512_shuffle_i32x4(v0, v1, 0xDD));
+        _mm512_storeu_si512(out[8 + m], _mm512_shuffle_i32x4(w0, w1, 0x88));
+        _mm512_storeu_si512(out[12 + m], _mm512_shuffle_i32x4(w0, w1, 0xDD));
+    }
+}
+
+/* The activation tiles of tokens [t0, t0 + n) (n <= 8) for every block. Row r of B_L: for r < 8 the
+ * products at positions 4r and 4r + 2 (even words 2r, 2r + 1), for r >= 8 those at 4(r-8) + 1 and
+ * 4(r-8) + 3 (odd words); dword t holds token t's x under the low bytes, dword 8 + t under the high. A
+ * token's bytes for lanes L and L + 1 are gathered by two byte permutes (even positions first, then odd:
+ * the rows' order), widened to words (the zero high bytes), and scattered into column t of each row. */
+static void lay_out_tokens(const char *xp, int64_t stride, int64_t t0, int n, int64_t nb, amx_xblock *xb) {
+    int8_t gi[4][64]; /* lanes 2i, 2i + 1: the index into the block's 256 activations of each byte */
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < 64; k++) {
+            const int L = 2 * i + k / 32, u = k % 32, t = u < 16 ? 2 * u : 2 * (u - 16) + 1;
+            gi[i][k] = (int8_t)(32 * chunk_of(t) + 4 * L + t % 4); /* 0..255: bit 7 picks the upper half */
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        amx_xblock *o = &xb[b];
+        float dx[8] = {0};
+        int16_t bs[8][8];
+        memset(bs, 0, sizeof bs);
+        __m512i v[8][4]; /* token t's bytes of lanes 2i, 2i + 1 */
+        for (int t = 0; t < 8; t++) {
+            if (t < n) {
+                const ms_q8_kx *x = (const ms_q8_kx *)(xp + (t0 + t) * stride) + b;
+                dx[t] = x->d;
+                memcpy(bs[t], x->bsums, sizeof bs[t]);
+                const __m512i q0 = _mm512_loadu_si512(x->q), q1 = _mm512_loadu_si512(x->q + 64);
+                const __m512i q2 = _mm512_loadu_si512(x->q + 128), q3 = _mm512_loadu_si512(x->q + 192);
+                for (int i = 0; i < 4; i++) {
+                    const __m512i idx = _mm512_loadu_si512(gi[i]);
+                    const __m512i lo = _mm512_permutex2var_epi8(q0, idx, q1);
+                    const __m512i hi = _mm512_permutex2var_epi8(q2, idx, q3);
+                    v[t][i] = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi);
+                }
+            } else {
+                v[t][0] = v[t][1] = v[t][2] = v[t][3] = _mm512_setzero_si512();
+            }
+        }
+        for (int L = 0; L < 8; L++) {
+            __m512i in[16]; /* [t]: token t's dwords under the low bytes (one per row), [8 + t] under the high */
+            for (int t = 0; t < 8; t++) {
+                const __m512i vi = v[t][L / 2];
+                in[t] = _mm512_cvtepu8_epi16(L % 2 ? _mm512_extracti64x4_epi64(vi, 1) : _mm512_castsi512_si256(vi));
+                in[8 + t] = _mm512_slli_epi32(in[t], 8);
+            }
+            transpose16(in, o->b[L]);
+        }
+        float d2[16], d4[2][16];
+        for (int t = 0; t < 8; t++) {
+            d2[t] = d2[8 + t] = dx[t];
+            for (int i = 0; i < 4; i++) d4[t / 4][4 * (t % 4) + i] = dx[t];
+        }
+        o->dx2 = _mm512_loadu_ps(d2);
+        o->dx4[0] = _mm512_loadu_ps(d4[0]);
+        o->dx4[1] = _mm512_loadu_ps(d4[1]);
+        o->bsums[0] = _mm512_loadu_si512(bs[0]);
+        o->bsums[1] = _mm512_loadu_si512(bs[4]);
+    }
+}
+
+/* The 12 scale bytes of a block as 8 six-bit scales and 8 six-bit mins, a byte each (those of
+ * ms_q4_k_scales), with word operations in general registers: the scales stored byte by byte and loaded as
+ * one word stalled the store forwarding. */
+static inline void scales_mins(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    const uint64_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;
+    const uint64_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    const uint64_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    *sc = sc_lo | sc_hi << 32;
+    *mn = mn_lo | mn_hi << 32;
+}
+
+/* Rows [row0, row0 + nrows) (nrows <= 16) turned into weight tiles, block by block; rows past nrows are
+ * zero. */
+static void lay_out_rows(const ms_matrix *m, int64_t row0, int nrows, int64_t nb, amx_block *wb) {
+    /* t0 dword 4L + s = qs dword 8s + L (L < 4), t1 the same for L = 4..7: lane L's 4 bytes of each of the
+     * 4 pairs of sub-blocks, together */
+    const __m512i tr0 = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i tr1 = _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
+    /* lane L's 16 low-nibble bytes, then its 16 high-nibble ones, two lanes a register */
+    const __m512i pr0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i pr1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    int8_t ie[64], io[64]; /* byte t of a lane: the scale of its sub-block at the even (ie) or odd (io) t */
+    for (int i = 0; i < 64; i++) {
+        const int t = i % 32, c = chunk_of(t);
+        ie[i] = (int8_t)(t % 2 == 0 ? c : -128);
+        io[i] = (int8_t)(t % 2 == 1 ? c : -128);
+    }
+    const __m512i sel_even = _mm512_loadu_si512(ie), sel_odd = _mm512_loadu_si512(io);
+    for (int64_t b = 0; b < nb; b++) {
+        amx_block *o = &wb[b];
+        for (int r = 0; r < 16; r++) {
+            if (r >= nrows) {
+                for (int L = 0; L < 8; L++) memset(o->a[L][r], 0, 64);
+                o->d[r] = o->dmin[r] = 0.0f;
+                o->mn[r] = _mm_setzero_si128();
+                continue;
+            }
+            const uint8_t *w = m->data + (row0 + r) * m->row_bytes + b * 144;
+            uint64_t sc8, mn8;
+            scales_mins(w + 4, &sc8, &mn8);
+            o->mn[r] = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn8));
+            o->d[r] = h2f(w);
+            o->dmin[r] = h2f(w + 2);
+            const __m512i scb = _mm512_set1_epi64((long long)sc8);
+            const __m512i pe = _mm512_shuffle_epi8(scb, sel_even), po = _mm512_shuffle_epi8(scb, sel_odd);
+            const __m512i v0 = _mm512_loadu_si512(w + 16), v1 = _mm512_loadu_si512(w + 80);
+            const __m512i t[2] = {_mm512_permutex2var_epi32(v0, tr0, v1), _mm512_permutex2var_epi32(v0, tr1, v1)};
+            for (int h = 0; h < 2; h++) {
+                const __m512i lo = _mm512_and_si512(t[h], low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(t[h], 4), low4);
+                const __m512i p[2] = {_mm512_permutex2var_epi64(lo, pr0, hi), _mm512_permutex2var_epi64(lo, pr1, hi)};
+                for (int k = 0; k < 2; k++) { /* lanes 4h + 2k and 4h + 2k + 1 */
+                    const __m512i e = _mm512_maddubs_epi16(p[k], pe), od = _mm512_maddubs_epi16(p[k], po);
+                    _mm512_storeu_si512(o->a[4 * h + 2 * k][r], _mm512_shuffle_i64x2(e, od, 0x44));
+                    _mm512_storeu_si512(o->a[4 * h + 2 * k + 1][r], _mm512_shuffle_i64x2(e, od, 0xEE));
+                }
+            }
+        }
+    }
+}
+
+/* One block of the 16-row tile against one group of tokens: the 8 lanes' tiles, then each row's float
+ * epilogue. F[r][p]: row r's running lanes 2p (floats t) and 2p + 1 (floats 8 + t); fmin[r][h]: tokens 4h..4h+3's
+ * min lanes. */
+static void block_times_group(const amx_block *w, const amx_xblock *x, int nrows, __m512 F[16][4], __m512 fmin[16][2]) {
+    int32_t c[8][16][16];
+#define LANE(L, TC, TA, TB)                           \
+    do {                                              \
+        _tile_zero(TC);                               \
+        _tile_loadd(TA, w->a[L], 64);                 \
+        _tile_loadd(TB, x->b[L], 64);                 \
+        _tile_dpbusd(TC, TA, TB);                     \
+        _tile_stored(TC, c[L], 64);                   \
+    } while (0)
+    LANE(0, 0, 1, 2);
+    LANE(1, 3, 4, 5);
+    LANE(2, 0, 1, 2);
+    LANE(3, 3, 4, 5);
+    LANE(4, 0, 1, 2);
+    LANE(5, 3, 4, 5);
+    LANE(6, 0, 1, 2);
+    LANE(7, 3, 4, 5);
+#undef LANE
+    for (int r = 0; r < nrows; r++) {
+        const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(w->d[r]), x->dx2);
+        for (int p = 0; p < 4; p++) {
+            const __m512i c0 = _mm512_loadu_si512(c[2 * p][r]), c1 = _mm512_loadu_si512(c[2 * p + 1][r]);
+            const __m512i lo = _mm512_shuffle_i64x2(c0, c1, 0x44), hi = _mm512_shuffle_i64x2(c0, c1, 0xEE);
+            const __m512i lane = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+            F[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lane), dd, F[r][p]);
+        }
+        const __m512i mn = _mm512_broadcast_i32x4(w->mn[r]);
+        const __m512 dmin = _mm512_set1_ps(w->dmin[r]);
+        for (int h = 0; h < 2; h++) {
+            const __m512i sm = _mm512_madd_epi16(mn, x->bsums[h]); /* token 4h + i: lanes 4i..4i+3 */
+            fmin[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sm), _mm512_mul_ps(dmin, x->dx4[h]), fmin[r][h]);
+        }
+    }
+}
+
+void ms_gemm_run_q4_k_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
+                          float *out, int64_t out_stride) {
+    const int64_t nb = m->cols / 256, groups = (T + 7) / 8;
+    if (!grow_buf((void **)&xbuf, &xcap, groups * nb, sizeof(amx_xblock)) ||
+        !grow_buf((void **)&wbuf, &wcap, nb, sizeof(amx_block))) {
+        for (int64_t r = 0; r < nrows; r += 4)
+            ms_gemm_q4_k_avx512(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, stride, T, out + r, out_stride);
+        return;
+    }
+    configure_tiles();
+    for (int64_t g = 0; g < groups; g++)
+        lay_out_tokens(xp, stride, 8 * g, T - 8 * g < 8 ? (int)(T - 8 * g) : 8, nb, &xbuf[g * nb]);
+    for (int64_t r0 = 0; r0 < nrows; r0 += 16) {
+        const int nr = nrows - r0 < 16 ? (int)(nrows - r0) : 16;
+        lay_out_rows(m, row0 + r0, nr, nb, wbuf);
+        for (int64_t g = 0; g < groups; g++) {
+            const int n = T - 8 * g < 8 ? (int)(T - 8 * g) : 8;
+            __m512 F[16][4], fmin[16][2];
+            for (int r = 0; r < nr; r++) {
+                for (int p = 0; p < 4; p++) F[r][p] = _mm512_setzero_ps();
+                fmin[r][0] = fmin[r][1] = _mm512_setzero_ps();
+            }
+            for (int64_t b = 0; b < nb; b++) block_times_group(&wbuf[b], &xbuf[g * nb + b], nr, F, fmin);
+            /* ms_lanes8_reduce of each token's 8 lanes, less ms_q4_k_min_reduce of its 4 min lanes: the same
+             * additions in the same order, 8 tokens at once */
+            const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+            for (int r = 0; r < nr; r++) {
+                /* a: f0 + f4 (tokens t), f1 + f5 (8 + t); b: f2 + f6, f3 + f7; c: c0 and c1 */
+                const __m512 a = _mm512_add_ps(F[r][0], F[r][2]), b = _mm512_add_ps(F[r][1], F[r][3]);
+                const __m512 c = _mm512_add_ps(a, b);
+                const __m256 sum = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+                __m512 mr[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m512 mm = fmin[r][h], t2 = _mm512_add_ps(mm, _mm512_shuffle_ps(mm, mm, 0xB1));
+                    mr[h] = _mm512_add_ps(t2, _mm512_shuffle_ps(t2, t2, 0xEE)); /* token 4h + i's in float 4i */
+                }
+                const __m512 mins = _mm512_permutex2var_ps(mr[0], pick, mr[1]);
+                float res[8];
+                _mm256_storeu_ps(res, _mm256_sub_ps(sum, _mm512_castps512_ps256(mins)));
+                for (int t = 0; t < n; t++) out[(8 * g + t) * out_stride + r0 + r] = res[t];
+            }
+        }
+    }
+}
