@@ -154,8 +154,7 @@ typedef struct {
     ms_dot4_fn dot4;
     ms_gemm_fn gemm;  /* NULL: dot4 per token */
     ms_rows_fn rows;  /* one token and a format with a kernel for a run of tiles; else NULL */
-    /* several tokens and a gemm for a thread's whole run of rows (q4_k with AMX); else NULL */
-    void (*gemm_run)(const ms_matrix *, int64_t, int64_t, const char *, int64_t, int64_t, float *, int64_t);
+    ms_gemm_rows_fn gemm_rows; /* several tokens and a format with a gemm for a run of tiles; else NULL */
     int64_t tiles;
     int64_t tile_cost; /* weight bytes of a tile times tokens */
     int64_t cost0;     /* cost of the products before this one */
@@ -196,9 +195,9 @@ static void batch_task(void *ctx, int ith, int nth) {
         if (j->rows != NULL && k1 > k0) {
             const int64_t r0 = 4 * k0, r1 = 4 * k1 < j->m->rows ? 4 * k1 : j->m->rows;
             j->rows(j->m, r0, r1 - r0, (const float *)j->x, j->out + r0);
-        } else if (j->gemm_run != NULL && k1 > k0) {
+        } else if (j->gemm_rows != NULL && k1 > k0) {
             const int64_t r0 = 4 * k0, r1 = 4 * k1 < j->m->rows ? 4 * k1 : j->m->rows;
-            j->gemm_run(j->m, r0, r1 - r0, j->x, j->stride, j->T, j->out + r0, j->m->rows);
+            j->gemm_rows(j->m, r0, r1 - r0, j->x, j->stride, j->T, j->out + r0, j->m->rows);
         } else {
             for (int64_t k = k0; k < k1; k++) run_tile(j, k);
         }
@@ -215,14 +214,6 @@ static int same_prepared(const ms_product *p, int i, const ms_prep_x_fn *prep) {
             return j;
     }
     return -1;
-}
-
-/* Whether q4_k's gemm takes its AMX path (quant_q4k_amx.c): from 24 tokens and for rows of at most 2048
- * columns, where it beat the VNNI gemm (model-167 Xeon, one thread, against VNNI: 768x2048 at 8 tokens
- * 0.78-0.83x, 16 0.91-0.97x, 24 1.07x, 32 1.09x; at 128 tokens 4096x2048 1.10-1.17x, 512x2048 1.09-1.19x,
- * but 2048x4096 0.95-0.98x). */
-static int amx_gemm(const ms_product *p) {
-    return p->T >= 24 && p->m.cols <= 2048 && p->m.fmt == MS_Q4_K && ms_use_amx();
 }
 
 int ms_matmul_many(const ms_product *p, int n, int nthreads) {
@@ -249,7 +240,7 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
         j->dot4 = f->dot4[active_isa];
         j->gemm = p[i].T > 1 ? f->gemm[active_isa] : NULL;
         j->rows = p[i].T == 1 ? f->rows[active_isa] : NULL;
-        j->gemm_run = amx_gemm(&p[i]) ? ms_gemm_run_q4_k_amx : NULL;
+        j->gemm_rows = p[i].T > 1 ? f->gemm_rows[active_isa] : NULL;
         j->stride = p[i].m.cols * (int64_t)sizeof(float);
         offset[i] = -1;
         if (prep[i] != NULL) {

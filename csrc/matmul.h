@@ -45,9 +45,6 @@ int ms_use_vnni(void);            /* the AVX-512 integer kernels take their VNNI
 int ms_use_vbmi(void);            /* and mxfp4's its VBMI path */
 int ms_use_amx(void);             /* and q4_k's gemm of many tokens its AMX path */
 int ms_amx_usable(void);          /* the CPU has AMX-INT8 and Linux lets this process use it */
-/* q4_k against T tokens for a thread's whole run of rows [row0, row0 + nrows) with AMX (out as a gemm's) */
-void ms_gemm_run_q4_k_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
-                          float *out, int64_t out_stride);
 
 /* out[t, r] = dot(W[r, :], x[t, :]) for t < T, r < rows; x is [T, cols], out is [T, rows]. Threads
  * split the rows; every element has the canonical reduction order, so the result does not depend on

@@ -62,6 +62,11 @@ typedef void (*ms_gemm_fn)(const ms_matrix *m, int64_t row0, int nrows, const ch
  * but the matrix's last), with the same numbers as dot4 tile by tile, for kernels that gain from taking
  * more than four rows at once (mxfp4's wide rows: eight). */
 typedef void (*ms_rows_fn)(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
+/* A gemm over a run of rows (any nrows: a thread's share, whole tiles but the matrix's last), with the
+ * numbers of ms_gemm_fn tile by tile, for kernels that gain from taking more than a tile at once (q4_k with
+ * AMX: 16 rows). */
+typedef void (*ms_gemm_rows_fn)(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                                int64_t T, float *out, int64_t out_stride);
 
 typedef struct {
     const char *name;
@@ -73,6 +78,7 @@ typedef struct {
     int prep_bytes; /* bytes of prepared activations per block (0: 4 per element, as floats) */
     ms_gemm_fn gemm[MS_NUM_ISAS]; /* optional: a tile of rows against T > 1 tokens, as dot4 would do each */
     ms_rows_fn rows[MS_NUM_ISAS]; /* optional: a run of rows against one token, as dot4 would do each tile */
+    ms_gemm_rows_fn gemm_rows[MS_NUM_ISAS]; /* optional: a run of rows against T > 1 tokens, as gemm would */
 } ms_format_traits;
 
 extern const ms_format_traits ms_formats[MS_NUM_FORMATS];
@@ -175,6 +181,8 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
 void ms_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride);
+void ms_gemm_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                              int64_t T, float *out, int64_t out_stride);
 void ms_dot4_q6_k_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_gemm_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,

@@ -3,6 +3,8 @@
 #define MOESTREAM_QUANT_INT8_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "quant.h"
 
@@ -90,6 +92,29 @@ float ms_q4_k_min_reduce(const float fmin[4]); /* (m0 + m1) + (m2 + m3) */
 static inline int64_t prefetch_rows(int64_t row_bytes, int64_t step, int64_t min_rows) {
     const int64_t rows = step * ((16384 + step * row_bytes - 1) / (step * row_bytes));
     return rows > min_rows ? rows : min_rows;
+}
+
+/* The 12 scale bytes of a q4_k block as 8 six-bit scales and 8 six-bit mins, a byte each in sc and mn
+ * (little-endian: sub-block j's in byte j), with 32-bit word operations in general registers: the values
+ * of ms_q4_k_scales, without bytes stored one by one and loaded again as a word. */
+static inline void q4k_scale_bytes(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    const uint64_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;
+    const uint64_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    const uint64_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    *sc = sc_lo | sc_hi << 32;
+    *mn = mn_lo | mn_hi << 32;
+}
+
+/* A per-thread buffer of at least need items of size bytes, 64-aligned: 1, or 0 when out of memory. */
+static inline int grow(void **buf, int64_t *cap, int64_t need, size_t size) {
+    if (*cap >= need) return 1;
+    free(*buf);
+    *buf = aligned_alloc(64, (size_t)need * size);
+    *cap = *buf ? need : 0;
+    return *buf != NULL;
 }
 
 /* Whether the kernels' prefetches `ahead` bytes on go into L2 rather than L1: with prefetch level 2 (the

@@ -107,17 +107,12 @@ static inline float q4k_min_reduce(__m128 m) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehl_ps(t, t)));
 }
 
-/* The 12 scale bytes of a q4_k block as 8 six-bit scales and 8 six-bit mins, widened to int16, with 32-bit
- * word operations in general registers (the same values as ms_q4_k_scales; no bytes stored and reloaded). */
+/* q4k_scale_bytes widened to int16 */
 static inline void q4k_scales_mins(const uint8_t *s, __m128i *sc, __m128i *mn) {
-    uint32_t u[3];
-    memcpy(u, s, 12);
-    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    uint64_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;
-    uint64_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
-    uint64_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
-    *sc = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)(sc_lo | sc_hi << 32)));
-    *mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)(mn_lo | mn_hi << 32)));
+    uint64_t sc8, mn8;
+    q4k_scale_bytes(s, &sc8, &mn8);
+    *sc = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8));
+    *mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn8));
 }
 
 /* q4_k against several tokens: each weight block of the tile is unpacked once (nibbles split, scales
@@ -131,15 +126,6 @@ typedef struct {
     float d, dmin;
     float pad[6];
 } q4k_unpacked;
-
-/* A per-thread buffer of at least need items of size bytes, 64-aligned: 1, or 0 when out of memory. */
-static inline int grow(void **buf, int64_t *cap, int64_t need, size_t size) {
-    if (*cap >= need) return 1;
-    free(*buf);
-    *buf = aligned_alloc(64, (size_t)need * size);
-    *cap = *buf ? need : 0;
-    return *buf != NULL;
-}
 
 /* A gemm without memory for its buffers: the decode kernel token by token (the same numbers). */
 static inline void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t row0, int nrows, const char *xp,

@@ -14,13 +14,13 @@
  * then gets, per row and token, f[L] = fmaf(lane_L, d * d(x), f[L]) and the mins' 4 lanes as in
  * ms_dot4_q4_k_scalar; the rows' sums are reduced as there at the end.
  *
- * A thread takes its whole run of rows in one call (ms_matmul_many): the activation tiles of all its
- * tokens are laid out once, then 16 rows at a time are turned into weight tiles and run against every
- * group of 8 tokens. ms_matmul_many takes this path from 24 tokens and for rows of up to 2048 columns
- * (amx_gemm, csrc/matmul.c): with fewer tokens the weight tiles' layout (~40 cycles a row's block, once
- * for every 8 tokens), the tile loads and stores (a tile's load, tdpbusd and store ~40 cycles where tdpbusd
- * alone takes 18) and the float epilogue cost more than the VNNI gemm's arithmetic (768x2048 at 8 tokens:
- * 0.78-0.83x). Overlapping a block's epilogue with the next block's tiles was slower (0.75-0.91x). */
+ * A thread takes its whole run of rows in one call (ms_matmul_many): the activation tiles of all its tokens are
+ * laid out once, then 16 rows at a time are turned into weight tiles and run against every group of 8 tokens. It
+ * is taken from 24 tokens and for rows of up to 2048 columns (ms_gemm_rows_q4_k_avx512, at the end): with fewer
+ * tokens the weight tiles' layout (~40 cycles a row's block, once for every 8 tokens), the tile loads and stores
+ * (a tile's load, tdpbusd and store ~40 cycles where tdpbusd alone takes 18) and the float epilogue cost more
+ * than the VNNI gemm's arithmetic (768x2048 at 8 tokens: 0.78-0.83x). Overlapping a block's epilogue with the
+ * next block's tiles was slower (0.75-0.91x). */
 #define _GNU_SOURCE /* syscall */
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,amx-tile,amx-int8")
 #include <immintrin.h>
@@ -87,14 +87,6 @@ static _Thread_local amx_block *wbuf;
 static _Thread_local int64_t wcap;
 static _Thread_local amx_xblock *xbuf;
 static _Thread_local int64_t xcap;
-
-static int grow_buf(void **buf, int64_t *cap, int64_t need, size_t size) {
-    if (*cap >= need) return 1;
-    free(*buf);
-    *buf = aligned_alloc(64, (size_t)need * size);
-    *cap = *buf ? need : 0;
-    return *buf != NULL;
-}
 
 static inline float h2f(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
 
@@ -180,20 +172,6 @@ static void lay_out_tokens(const char *xp, int64_t stride, int64_t t0, int n, in
     }
 }
 
-/* The 12 scale bytes of a block as 8 six-bit scales and 8 six-bit mins, a byte each (those of
- * ms_q4_k_scales), with word operations in general registers: the scales stored byte by byte and loaded as
- * one word stalled the store forwarding. */
-static inline void scales_mins(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
-    uint32_t u[3];
-    memcpy(u, s, 12);
-    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    const uint64_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;
-    const uint64_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
-    const uint64_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
-    *sc = sc_lo | sc_hi << 32;
-    *mn = mn_lo | mn_hi << 32;
-}
-
 /* Rows [row0, row0 + nrows) (nrows <= 16) turned into weight tiles, block by block; rows past nrows are
  * zero. */
 static void lay_out_rows(const ms_matrix *m, int64_t row0, int nrows, int64_t nb, amx_block *wb) {
@@ -223,7 +201,7 @@ static void lay_out_rows(const ms_matrix *m, int64_t row0, int nrows, int64_t nb
             }
             const uint8_t *w = m->data + (row0 + r) * m->row_bytes + b * 144;
             uint64_t sc8, mn8;
-            scales_mins(w + 4, &sc8, &mn8);
+            q4k_scale_bytes(w + 4, &sc8, &mn8);
             o->mn[r] = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn8));
             o->d[r] = h2f(w);
             o->dmin[r] = h2f(w + 2);
@@ -284,13 +262,19 @@ static void block_times_group(const amx_block *w, const amx_xblock *x, int nrows
     }
 }
 
-void ms_gemm_run_q4_k_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
+/* The AVX-512 gemm over the run of rows, tile by tile (as ms_matmul_many runs a format without gemm_rows) */
+static void by_tiles(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
+                     float *out, int64_t out_stride) {
+    for (int64_t r = 0; r < nrows; r += 4)
+        ms_gemm_q4_k_avx512(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, stride, T, out + r, out_stride);
+}
+
+static void gemm_rows_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
                           float *out, int64_t out_stride) {
     const int64_t nb = m->cols / 256, groups = (T + 7) / 8;
-    if (!grow_buf((void **)&xbuf, &xcap, groups * nb, sizeof(amx_xblock)) ||
-        !grow_buf((void **)&wbuf, &wcap, nb, sizeof(amx_block))) {
-        for (int64_t r = 0; r < nrows; r += 4)
-            ms_gemm_q4_k_avx512(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, stride, T, out + r, out_stride);
+    if (!grow((void **)&xbuf, &xcap, groups * nb, sizeof(amx_xblock)) ||
+        !grow((void **)&wbuf, &wcap, nb, sizeof(amx_block))) {
+        by_tiles(m, row0, nrows, xp, stride, T, out, out_stride);
         return;
     }
     configure_tiles();
@@ -327,4 +311,16 @@ void ms_gemm_run_q4_k_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const
             }
         }
     }
+}
+
+/* q4_k against T > 1 tokens over a run of rows: with AMX (gemm_rows_amx) from 24 tokens and for rows of at
+ * most 2048 columns, where it beat the VNNI gemm (model-167 Xeon, one thread, against VNNI: 768x2048 at 8
+ * tokens 0.78-0.83x, 16 0.91-0.97x, 24 1.07x, 32 1.09x; at 128 tokens 4096x2048 1.10-1.17x, 512x2048
+ * 1.09-1.19x, but 2048x4096 0.95-0.98x); else the AVX-512 gemm tile by tile. */
+void ms_gemm_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                              int64_t T, float *out, int64_t out_stride) {
+    if (T >= 24 && m->cols <= 2048 && ms_use_amx())
+        gemm_rows_amx(m, row0, nrows, xp, stride, T, out, out_stride);
+    else
+        by_tiles(m, row0, nrows, xp, stride, T, out, out_stride);
 }
