@@ -14,9 +14,10 @@
  * then gets, per row and token, f[L] = fmaf(lane_L, d * d(x), f[L]) and the mins' 4 lanes as in
  * ms_dot4_q4_k_scalar; the rows' sums are reduced as there at the end.
  *
- * A thread takes its whole run of rows in one call (ms_matmul_many): the activation tiles of all its tokens are
- * laid out once, then 16 rows at a time are turned into weight tiles and run against every group of 8 tokens. It
- * is taken from 24 tokens and for rows of up to 2048 columns (ms_gemm_rows_q4_k_avx512, at the end): with fewer
+ * A thread takes its whole run of rows in one call (ms_matmul_many): the activation tiles of its tokens are laid
+ * out ~1 MB at a time (AMX_XBLOCKS), then 16 rows at a time are turned into weight tiles and run against every
+ * group of 8 tokens laid out. It
+ * is taken from 24 tokens and for rows of up to 4096 columns (ms_gemm_rows_q4_k_avx512, at the end): with fewer
  * tokens the weight tiles' layout (~40 cycles a row's block, once for every 8 tokens), the tile loads and stores
  * (a tile's load, tdpbusd and store ~40 cycles where tdpbusd alone takes 18) and the float epilogue cost more
  * than the VNNI gemm's arithmetic (768x2048 at 8 tokens: 0.78-0.83x). Overlapping a block's epilogue with the
@@ -269,28 +270,20 @@ static void by_tiles(const ms_matrix *m, int64_t row0, int64_t nrows, const char
         ms_gemm_q4_k_avx512(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, stride, T, out + r, out_stride);
 }
 
-static void gemm_rows_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
-                          float *out, int64_t out_stride) {
-    const int64_t nb = m->cols / 256, groups = (T + 7) / 8;
-    if (!grow((void **)&xbuf, &xcap, groups * nb, sizeof(amx_xblock)) ||
-        !grow((void **)&wbuf, &wcap, nb, sizeof(amx_block))) {
-        by_tiles(m, row0, nrows, xp, stride, T, out, out_stride);
-        return;
-    }
-    configure_tiles();
-    for (int64_t g = 0; g < groups; g++)
-        lay_out_tokens(xp, stride, 8 * g, T - 8 * g < 8 ? (int)(T - 8 * g) : 8, nb, &xbuf[g * nb]);
+/* Every row tile of [row0, row0 + nrows) against the groups [g0, g1) of 8 tokens laid out in xbuf. */
+static void run_groups(const ms_matrix *m, int64_t row0, int64_t nrows, int64_t nb, int64_t g0, int64_t g1, int64_t T,
+                       float *out, int64_t out_stride) {
     for (int64_t r0 = 0; r0 < nrows; r0 += 16) {
         const int nr = nrows - r0 < 16 ? (int)(nrows - r0) : 16;
         lay_out_rows(m, row0 + r0, nr, nb, wbuf);
-        for (int64_t g = 0; g < groups; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             const int n = T - 8 * g < 8 ? (int)(T - 8 * g) : 8;
             __m512 F[16][4], fmin[16][2];
             for (int r = 0; r < nr; r++) {
                 for (int p = 0; p < 4; p++) F[r][p] = _mm512_setzero_ps();
                 fmin[r][0] = fmin[r][1] = _mm512_setzero_ps();
             }
-            for (int64_t b = 0; b < nb; b++) block_times_group(&wbuf[b], &xbuf[g * nb + b], nr, F, fmin);
+            for (int64_t b = 0; b < nb; b++) block_times_group(&wbuf[b], &xbuf[(g - g0) * nb + b], nr, F, fmin);
             /* ms_lanes8_reduce of each token's 8 lanes, less ms_q4_k_min_reduce of its 4 min lanes: the same
              * additions in the same order, 8 tokens at once */
             const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
@@ -313,13 +306,37 @@ static void gemm_rows_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const
     }
 }
 
+/* The activation tiles of at most this many blocks of groups of 8 tokens (~1 MB) are laid out at a time, so that
+ * they stay in L2 while every row tile runs against them (2048x4096 at 128 tokens, all 16 groups' 2.1 MB at once:
+ * 0.87-0.88x the VNNI gemm; 64 tokens, 1.1 MB: 1.14-1.15x). */
+#define AMX_XBLOCKS 128
+
+static void gemm_rows_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
+                          float *out, int64_t out_stride) {
+    const int64_t nb = m->cols / 256, groups = (T + 7) / 8;
+    const int64_t chunk = AMX_XBLOCKS / nb < 1 ? 1 : AMX_XBLOCKS / nb; /* groups laid out at a time */
+    if (!grow((void **)&xbuf, &xcap, (groups < chunk ? groups : chunk) * nb, sizeof(amx_xblock)) ||
+        !grow((void **)&wbuf, &wcap, nb, sizeof(amx_block))) {
+        by_tiles(m, row0, nrows, xp, stride, T, out, out_stride);
+        return;
+    }
+    configure_tiles();
+    for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+        const int64_t g1 = groups - g0 < chunk ? groups : g0 + chunk;
+        for (int64_t g = g0; g < g1; g++)
+            lay_out_tokens(xp, stride, 8 * g, T - 8 * g < 8 ? (int)(T - 8 * g) : 8, nb, &xbuf[(g - g0) * nb]);
+        run_groups(m, row0, nrows, nb, g0, g1, T, out, out_stride);
+    }
+}
+
 /* q4_k against T > 1 tokens over a run of rows: with AMX (gemm_rows_amx) from 24 tokens and for rows of at
- * most 2048 columns, where it beat the VNNI gemm (model-167 Xeon, one thread, against VNNI: 768x2048 at 8
+ * most 4096 columns, where it beat the VNNI gemm (model-167 Xeon, one thread, against VNNI: 768x2048 at 8
  * tokens 0.78-0.83x, 16 0.91-0.97x, 24 1.07x, 32 1.09x; at 128 tokens 4096x2048 1.10-1.17x, 512x2048
- * 1.09-1.19x, but 2048x4096 0.95-0.98x); else the AVX-512 gemm tile by tile. */
+ * 1.09-1.19x; 768x2048 at 256 / 512 tokens 1.20 / 1.19x; 2048x4096 at 24 / 64 / 128 / 256 tokens 1.05 / 1.15 /
+ * 1.11 / 1.10x once the tokens are laid out ~1 MB at a time); else the AVX-512 gemm tile by tile. */
 void ms_gemm_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
                               int64_t T, float *out, int64_t out_stride) {
-    if (T >= 24 && m->cols <= 2048 && ms_use_amx())
+    if (T >= 24 && m->cols <= 4096 && ms_use_amx())
         gemm_rows_amx(m, row0, nrows, xp, stride, T, out, out_stride);
     else
         by_tiles(m, row0, nrows, xp, stride, T, out, out_stride);

@@ -758,20 +758,21 @@ def test_moe_combine_has_numpy_bits_and_refuses_bad_input():
 
 
 @pytest.mark.skipif("amx" not in _C.supported_isas(), reason="this CPU (or its kernel) gives no AMX-INT8")
-@pytest.mark.parametrize("shape", [(16, 256), (37, 768), (203, 2048), (20, 4096)])
+@pytest.mark.parametrize("shape", [(16, 256), (37, 768), (203, 2048), (20, 4096), (19, 8192)])
 def test_q4_k_amx_gemm_gives_the_scalar_bits(shape):
-    """q4_k's gemm of 24 tokens or more with AMX-INT8 (rows of up to 2048 columns; wider ones keep the VNNI
+    """q4_k's gemm of 24 tokens or more with AMX-INT8 (rows of up to 4096 columns; wider ones keep the VNNI
     gemm) gives every token the scalar kernel's bits: tile tails of rows (16 at a time) and of tokens (8 at a
-    time), 1-3 threads, each token as it is alone."""
+    time), tokens laid out in several runs (137 tokens: 2 runs of groups at 2048 columns, 3 at 4096), 1-3
+    threads, each token as it is alone."""
     w = make_weight("q4_k", *shape)
-    x = np.random.default_rng(6).standard_normal((47, w.cols)).astype(np.float32)
+    x = np.random.default_rng(6).standard_normal((137, w.cols)).astype(np.float32)
     before = _C.get_isa()
     try:
         _C.set_isa("scalar")
         ref = w.matmul(x, threads=1)
         one = w.matmul(x[:1], threads=1)
         _C.set_isa("amx")
-        for T in (24, 25, 31, 33, 47):
+        for T in (24, 25, 31, 33, 47, 137):
             for threads in (1, 2, 3):
                 assert w.matmul(x[:T], threads=threads).tobytes() == ref[:T].tobytes(), (shape, T, threads)
         assert ref[:1].tobytes() == one.tobytes()
