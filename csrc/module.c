@@ -12,6 +12,7 @@
 #include "matmul.h"
 #include "quant_int8.h"
 #include "norm.h"
+#include "rope.h"
 
 static const char *level_names[MS_NUM_LEVELS] = {"scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi", "amx"};
 
@@ -625,6 +626,41 @@ static PyObject *py_block_rows_matmul(PyObject *self, PyObject *args) {
 }
 
 /* moe_combine(ys [N, width], rows int64 [T, k], w [T, k], out [T, width], threads) */
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj[4];
+    long long T, heads, D;
+    int interleave;
+    if (!PyArg_ParseTuple(args, "OOOLLLpO", &obj[0], &obj[1], &obj[2], &T, &heads, &D, &interleave, &obj[3]))
+        return NULL;
+    Py_buffer b[4];
+    const char *names[4] = {"x", "cos", "sin", "out"};
+    int held = 0;
+    PyObject *ret = NULL;
+    for (; held < 4; held++)
+        if (get_f32(obj[held], &b[held], held == 3, names[held]) < 0) goto release;
+    if (T < 0 || heads < 1 || D < 2 || D % 2 || b[0].len != T * heads * D * 4 || b[3].len != b[0].len ||
+        b[1].len != T * (D / 2) * 4 || b[2].len != b[1].len) {
+        PyErr_Format(PyExc_ValueError,
+                     "rope: x of %zd bytes, cos of %zd, sin of %zd, out of %zd for %lld tokens, %lld heads of %lld do "
+                     "not add up",
+                     b[0].len, b[1].len, b[2].len, b[3].len, T, heads, D);
+        goto release;
+    }
+    if (b[3].buf == b[0].buf) {
+        PyErr_SetString(PyExc_ValueError, "rope: out must not be x");
+        goto release;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ms_rope(b[0].buf, T, heads, D, b[1].buf, b[2].buf, interleave, b[3].buf);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    ret = Py_None;
+release:
+    while (held-- > 0) PyBuffer_Release(&b[held]);
+    return ret;
+}
+
 static PyObject *py_moe_combine(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *obj[4];
@@ -749,6 +785,9 @@ static PyMethodDef methods[] = {
     {"gqa_decode", py_gqa_decode, METH_VARARGS,
      "gqa_decode(q, k, v, kcache, vcache, pos, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, "
      "interleave, scaling, window, out, threads): one token's attention, its key and value written at pos"},
+    {"rope", py_rope, METH_VARARGS,
+     "rope(x, cos, sin, T, heads, D, interleave, out): rotary embedding of x [T, heads, D] by cos, sin [T, D/2], "
+     "numpy's float32 steps (csrc/rope.h)"},
     {"moe_combine", py_moe_combine, METH_VARARGS,
      "moe_combine(ys, rows, w, out, width, T, k, threads): out[t] = ys[rows[t, 0]] * w[t, 0] + ys[rows[t, 1]] * "
      "w[t, 1] + ..., numpy's float32 multiplies and adds in top-k order"},

@@ -57,6 +57,42 @@ def test_rms_norm_has_the_numpy_bits(n):
         _C.rms_norm(x, w[:-1] if n > 1 else np.zeros(2, np.float32), 1e-6, np.empty_like(x))
 
 
+def numpy_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> np.ndarray:
+    """The float32 numpy steps the C rope reproduces: x [T, heads, D], cos and sin [T, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :half], x[..., half:])
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 2), (3, 4, 8), (37, 5, 64), (128, 32, 128)])
+def test_rope_has_the_numpy_bits(shape, interleave):
+    """Rope.apply on a float32 [T, heads, D] array runs in one C pass (_C.rope) with the bits of the numpy
+    steps, YaRN's attention factor included; other layouts (a strided view) take the numpy steps."""
+    T, H, D = shape
+    rng = np.random.default_rng(T * H + D)
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    for spec in (
+        RopeSpec(theta=10000.0, dim=D, interleave=interleave),
+        RopeSpec(theta=1e6, dim=D, interleave=interleave, kind="yarn", factor=4.0, original_max_position_embeddings=64),
+    ):
+        rope = Rope(spec)
+        cos, sin = rope.cos_sin(11, T)
+        want = numpy_rope(x, cos, sin, interleave).tobytes()
+        assert rope.apply(x, cos, sin).tobytes() == want
+        wide = np.zeros((T, H, D + 3), np.float32)
+        wide[..., :D] = x
+        assert rope.apply(wide[..., :D], cos, sin).tobytes() == want  # not C-contiguous: numpy
+    longer = np.zeros((T + 1, D // 2), np.float32)  # a position too many
+    with pytest.raises(ValueError, match="do not add up"):
+        _C.rope(x, longer, longer, T, H, D, interleave, np.empty_like(x))
+    with pytest.raises(ValueError, match="must not be x"):
+        _C.rope(x, cos, sin, T, H, D, interleave, x)
+    with pytest.raises(ValueError, match="float32"):
+        _C.rope(x.astype(np.float64), cos, sin, T, H, D, interleave, np.empty_like(x))
+
+
 def make_attention(H: int, KV: int, D: int, norms: bool, interleave: bool = False, window: int | None = None):
     rng = np.random.default_rng(H * 1000 + D)
     E = 48
@@ -91,7 +127,8 @@ def numpy_decode(attn: GQAttention, q, k, v, keys, values, pos):
         q = numpy_rms_norm(q, attn.q_norm, attn.norm_eps)
         k = numpy_rms_norm(k, attn.k_norm, attn.norm_eps)
     cos, sin = attn.rope.cos_sin(pos, 1)
-    q, k = attn.rope.apply(q, cos, sin)[0], attn.rope.apply(k, cos, sin)[0]  # [H, D], [KV, D]
+    interleave = attn.rope.spec.interleave
+    q, k = numpy_rope(q, cos, sin, interleave)[0], numpy_rope(k, cos, sin, interleave)[0]  # [H, D], [KV, D]
     K = np.concatenate([keys, k[:, None]], axis=1).astype(np.float64)  # [KV, S, D]
     V = np.concatenate([values, v.reshape(KV, 1, D)], axis=1).astype(np.float64)
     lo = 0 if attn.sliding_window is None else max(0, pos - attn.sliding_window + 1)
