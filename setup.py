@@ -22,7 +22,7 @@ SOURCES = [
     "csrc/quant_int8_avx2.c",
     "csrc/quant_int8_avx512.c",
     "csrc/quant_mxfp4_vbmi.c",
-    "csrc/quant_q4k_amx.c",
+    "csrc/quant_amx.c",
 ]
 
 setup(

@@ -17,7 +17,7 @@ typedef enum {
     MS_LEVEL_AVX512,
     MS_LEVEL_AVX512_VNNI,
     MS_LEVEL_AVX512_VBMI, /* VNNI and VBMI */
-    MS_LEVEL_AMX,         /* and AMX-INT8 for q4_k's gemm of many tokens (quant_q4k_amx.c) */
+    MS_LEVEL_AMX,         /* and AMX-INT8 for q4_k's and q6_k's gemms of many tokens (quant_amx.c) */
     MS_NUM_LEVELS
 } ms_level;
 int ms_level_supported(ms_level level);

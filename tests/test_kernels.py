@@ -14,7 +14,8 @@ from moestream import _C
 from moestream.quant import FORMATS, Weight, blocks, dequantize_reference, matmul_many
 from moestream.quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
 
-# avx512: integer kernels without VNNI (Skylake-X); amx: avx512vbmi's, and q4_k's gemm of many tokens with AMX
+# avx512: integer kernels without VNNI (Skylake-X); amx: avx512vbmi's, and q4_k's and q6_k's gemms of many
+# tokens with AMX
 ISAS = ["scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi", "amx"]
 SHAPES = [(1, 1), (5, 17), (37, 53), (130, 300), (64, 2048)]
 MX_SHAPES = [(1, 32), (5, 64), (37, 96), (130, 320), (64, 2048)]  # mxfp4: cols divisible by 32
@@ -759,13 +760,27 @@ def test_moe_combine_has_numpy_bits_and_refuses_bad_input():
 
 @pytest.mark.skipif("amx" not in _C.supported_isas(), reason="this CPU (or its kernel) gives no AMX-INT8")
 @pytest.mark.parametrize("shape", [(16, 256), (37, 768), (203, 2048), (20, 4096), (19, 8192)])
-def test_q4_k_amx_gemm_gives_the_scalar_bits(shape):
-    """q4_k's gemm of 24 tokens or more with AMX-INT8 (rows of up to 4096 columns; wider ones keep the VNNI
-    gemm) gives every token the scalar kernel's bits: tile tails of rows (16 at a time) and of tokens (8 at a
-    time), tokens laid out in several runs (137 tokens: 2 runs of groups at 2048 columns, 3 at 4096), 1-3
-    threads, each token as it is alone."""
-    w = make_weight("q4_k", *shape)
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_amx_gemm_gives_the_scalar_bits(fmt, shape):
+    """q4_k's and q6_k's gemms of 24 tokens or more with AMX-INT8 (rows of up to 4096 columns; wider ones
+    keep the AVX-512 gemm) give every token the scalar kernel's bits: tile tails of rows (16 at a time) and
+    of tokens (8 at a time), tokens laid out in several runs (137 tokens: 2 runs of groups at 2048 columns,
+    3 at 4096), 1-3 threads, each token as it is alone."""
+    w = make_weight(fmt, *shape)
     x = np.random.default_rng(6).standard_normal((137, w.cols)).astype(np.float32)
+    check_amx_gemm(w, x, shape)
+    # every byte pattern of the quants and scales (q6_k's scales -128..127 and values 0..63 to their ends, as
+    # llama.cpp's quantizer writes them, with negative scales), the block's f16 factors kept finite
+    raw = np.random.default_rng(7).integers(0, 256, (shape[0], shape[1] // 256, w.fmt.block_bytes), np.uint8)
+    factors = (np.random.default_rng(8).standard_normal((*raw.shape[:2], 2)) / 50).astype(np.float16)
+    if fmt == "q6_k":
+        raw[..., 208:210] = factors[..., :1].view(np.uint8)
+    else:
+        raw[..., 0:4] = factors.view(np.uint8)
+    check_amx_gemm(Weight(raw.reshape(shape[0], -1), fmt=fmt), x, shape)
+
+
+def check_amx_gemm(w: Weight, x: np.ndarray, shape: tuple[int, int]) -> None:
     before = _C.get_isa()
     try:
         _C.set_isa("scalar")

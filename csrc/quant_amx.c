@@ -1,5 +1,5 @@
-/* q4_k against several tokens with AMX-INT8 (Xeon Sapphire Rapids and later): the tile multiply-adds of
- * 16 weight rows by 8 tokens at a time give every row and token the exact integer lane sums of the
+/* q4_k and q6_k (at the end) against several tokens with AMX-INT8 (Xeon Sapphire Rapids and later): the tile
+ * multiply-adds of 16 weight rows by 8 tokens at a time give every row and token the exact integer lane sums of the
  * canonical order (quant_int8.c), and the float epilogue is the decode kernel's, so the bits are those of
  * every other path.
  *
@@ -121,7 +121,7 @@ static inline void transpose16(const __m512i in[16], int32_t out[16][16]) {
  * 4(r-8) + 3 (odd words); dword t holds token t's x under the low bytes, dword 8 + t under the high. A
  * token's bytes for lanes L and L + 1 are gathered by two byte permutes (even positions first, then odd:
  * the rows' order), widened to words (the zero high bytes), and scattered into column t of each row. */
-static void lay_out_tokens(const char *xp, int64_t stride, int64_t t0, int n, int64_t nb, amx_xblock *xb) {
+static void lay_out_tokens(const char *xp, int64_t stride, int64_t rec, int64_t t0, int n, int64_t nb, amx_xblock *xb) {
     int8_t gi[4][64]; /* lanes 2i, 2i + 1: the index into the block's 256 activations of each byte */
     for (int i = 0; i < 4; i++)
         for (int k = 0; k < 64; k++) {
@@ -136,7 +136,7 @@ static void lay_out_tokens(const char *xp, int64_t stride, int64_t t0, int n, in
         __m512i v[8][4]; /* token t's bytes of lanes 2i, 2i + 1 */
         for (int t = 0; t < 8; t++) {
             if (t < n) {
-                const ms_q8_kx *x = (const ms_q8_kx *)(xp + (t0 + t) * stride) + b;
+                const ms_q8_kx *x = (const ms_q8_kx *)(xp + (t0 + t) * stride + b * rec);
                 dx[t] = x->d;
                 memcpy(bs[t], x->bsums, sizeof bs[t]);
                 const __m512i q0 = _mm512_loadu_si512(x->q), q1 = _mm512_loadu_si512(x->q + 64);
@@ -224,15 +224,13 @@ static void lay_out_rows(const ms_matrix *m, int64_t row0, int nrows, int64_t nb
     }
 }
 
-/* One block of the 16-row tile against one group of tokens: the 8 lanes' tiles, then each row's float
- * epilogue. F[r][p]: row r's running lanes 2p (floats t) and 2p + 1 (floats 8 + t); fmin[r][h]: tokens 4h..4h+3's
- * min lanes. */
-static void block_times_group(const amx_block *w, const amx_xblock *x, int nrows, __m512 F[16][4], __m512 fmin[16][2]) {
-    int32_t c[8][16][16];
+/* The 8 lanes' tiles of one block of 16 rows (a: the weight tiles) against one group of tokens, into c: two chains
+ * of tilezero, two tileloadd, tdpbusd and tilestored in turn. */
+static inline void lane_tiles(const int8_t a[8][16][64], const amx_xblock *x, int32_t c[8][16][16]) {
 #define LANE(L, TC, TA, TB)                           \
     do {                                              \
         _tile_zero(TC);                               \
-        _tile_loadd(TA, w->a[L], 64);                 \
+        _tile_loadd(TA, a[L], 64);                    \
         _tile_loadd(TB, x->b[L], 64);                 \
         _tile_dpbusd(TC, TA, TB);                     \
         _tile_stored(TC, c[L], 64);                   \
@@ -246,12 +244,34 @@ static void block_times_group(const amx_block *w, const amx_xblock *x, int nrows
     LANE(6, 0, 1, 2);
     LANE(7, 3, 4, 5);
 #undef LANE
+}
+
+/* Row r's sums of lanes 2p (dwords t) and 2p + 1 (8 + t) from their tiles: lo + 256 hi. */
+static inline __m512i lane_pair(const int32_t c[8][16][16], int r, int p) {
+    const __m512i c0 = _mm512_loadu_si512(c[2 * p][r]), c1 = _mm512_loadu_si512(c[2 * p + 1][r]);
+    const __m512i lo = _mm512_shuffle_i64x2(c0, c1, 0x44), hi = _mm512_shuffle_i64x2(c0, c1, 0xEE);
+    return _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+}
+
+/* ms_lanes8_reduce of 8 tokens' lanes at once (F[p]: lanes 2p in floats t, 2p + 1 in 8 + t): the same additions in
+ * the same order. */
+static inline __m256 lanes8_sum(const __m512 F[4]) {
+    /* a: f0 + f4 (tokens t), f1 + f5 (8 + t); b: f2 + f6, f3 + f7; c: c0 and c1 */
+    const __m512 a = _mm512_add_ps(F[0], F[2]), b = _mm512_add_ps(F[1], F[3]);
+    const __m512 c = _mm512_add_ps(a, b);
+    return _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+}
+
+/* One block of the 16-row tile against one group of tokens: the 8 lanes' tiles, then each row's float
+ * epilogue. F[r][p]: row r's running lanes 2p (floats t) and 2p + 1 (floats 8 + t); fmin[r][h]: tokens 4h..4h+3's
+ * min lanes. */
+static void block_times_group(const amx_block *w, const amx_xblock *x, int nrows, __m512 F[16][4], __m512 fmin[16][2]) {
+    int32_t c[8][16][16];
+    lane_tiles(w->a, x, c);
     for (int r = 0; r < nrows; r++) {
         const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(w->d[r]), x->dx2);
         for (int p = 0; p < 4; p++) {
-            const __m512i c0 = _mm512_loadu_si512(c[2 * p][r]), c1 = _mm512_loadu_si512(c[2 * p + 1][r]);
-            const __m512i lo = _mm512_shuffle_i64x2(c0, c1, 0x44), hi = _mm512_shuffle_i64x2(c0, c1, 0xEE);
-            const __m512i lane = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+            const __m512i lane = lane_pair(c, r, p);
             F[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lane), dd, F[r][p]);
         }
         const __m512i mn = _mm512_broadcast_i32x4(w->mn[r]);
@@ -288,10 +308,7 @@ static void run_groups(const ms_matrix *m, int64_t row0, int64_t nrows, int64_t 
              * additions in the same order, 8 tokens at once */
             const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
             for (int r = 0; r < nr; r++) {
-                /* a: f0 + f4 (tokens t), f1 + f5 (8 + t); b: f2 + f6, f3 + f7; c: c0 and c1 */
-                const __m512 a = _mm512_add_ps(F[r][0], F[r][2]), b = _mm512_add_ps(F[r][1], F[r][3]);
-                const __m512 c = _mm512_add_ps(a, b);
-                const __m256 sum = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+                const __m256 sum = lanes8_sum(F[r]);
                 __m512 mr[2];
                 for (int h = 0; h < 2; h++) {
                     const __m512 mm = fmin[r][h], t2 = _mm512_add_ps(mm, _mm512_shuffle_ps(mm, mm, 0xB1));
@@ -324,7 +341,8 @@ static void gemm_rows_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const
     for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
         const int64_t g1 = groups - g0 < chunk ? groups : g0 + chunk;
         for (int64_t g = g0; g < g1; g++)
-            lay_out_tokens(xp, stride, 8 * g, T - 8 * g < 8 ? (int)(T - 8 * g) : 8, nb, &xbuf[(g - g0) * nb]);
+            lay_out_tokens(xp, stride, sizeof(ms_q8_kx), 8 * g, T - 8 * g < 8 ? (int)(T - 8 * g) : 8, nb,
+                           &xbuf[(g - g0) * nb]);
         run_groups(m, row0, nrows, nb, g0, g1, T, out, out_stride);
     }
 }
@@ -340,4 +358,179 @@ void ms_gemm_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, c
         gemm_rows_amx(m, row0, nrows, xp, stride, T, out, out_stride);
     else
         by_tiles(m, row0, nrows, xp, stride, T, out, out_stride);
+}
+
+/* ---- q6_k ------------------------------------------------------------------------------------------------
+ * Canonical lane L of a q6_k block is sum over its 32 positions e (4 of each 32-value chunk) of
+ * sc[e / 16] * (q[e] - 32) * x[e] (ms_dot4_q6_k_scalar). The products p = sc * (q - 32), at most 4096 in
+ * magnitude, go into the weight tiles as p + 4096 (0..8192, an unsigned low byte and a high byte of at most 32),
+ * in the order of the q4_k tiles (position t of a lane is e = 32 * chunk_of(t) + 4L + t % 4), so the activation
+ * tiles are those of q4_k; lane L's sum is then C_L[row][t] + 256 * C_L[row][8 + t] - 4096 * S_L(t), S_L being the
+ * sum of the lane's 32 activations of token t (|sum| <= 32 * 8192 * 127 < 2^25). */
+
+typedef struct {
+    int8_t a[8][16][64]; /* per lane, the weight tile */
+    float d[16];
+} amx_block6;           /* one q6_k block of 16 rows */
+
+static _Thread_local amx_block6 *wbuf6;
+static _Thread_local int64_t wcap6;
+static _Thread_local __m512i *corr6; /* [group's block][4]: 4096 * S of lanes 2p (dwords t), 2p + 1 (8 + t) */
+static _Thread_local int64_t ccap6;
+
+/* corr[4] of one block of a group of n tokens (records rec bytes apart, tokens stride apart) */
+static void lane_sums(const char *xp, int64_t stride, int64_t rec, int64_t t0, int n, int64_t b, __m512i corr[4]) {
+    int32_t c[4][16];
+    memset(c, 0, sizeof c);
+    for (int t = 0; t < n; t++) {
+        const int8_t *q = ((const ms_q8_kx *)(xp + (t0 + t) * stride + b * rec))->q;
+        for (int L = 0; L < 8; L++) {
+            int32_t sum = 0;
+            for (int k = 0; k < 8; k++)
+                for (int i = 0; i < 4; i++) sum += q[32 * k + 4 * L + i];
+            c[L / 2][8 * (L % 2) + t] = 4096 * sum;
+        }
+    }
+    for (int p = 0; p < 4; p++) corr[p] = _mm512_loadu_si512(c[p]);
+}
+
+/* Rows [row0, row0 + nrows) (nrows <= 16) of q6_k turned into weight tiles, block by block; rows past nrows are
+ * zero. */
+static void lay_out_rows_q6(const ms_matrix *m, int64_t row0, int nrows, int64_t nb, amx_block6 *wb) {
+    int8_t gi[4][64], se[2][64], so[2][64];
+    for (int k = 0; k < 64; k++) {
+        const int t = k % 32;
+        for (int i = 0; i < 4; i++) { /* lanes 2i, 2i + 1: each position's index into the block's 256 values */
+            const int L = 2 * i + k / 32;
+            gi[i][k] = (int8_t)(32 * chunk_of(t) + 4 * L + t % 4);
+        }
+        for (int h = 0; h < 2; h++) { /* lanes 4h..4h+3: the scale of each position, at even (se) or odd (so) t */
+            const int8_t idx = (int8_t)(2 * chunk_of(t) + h);
+            se[h][k] = t % 2 == 0 ? idx : -128;
+            so[h][k] = t % 2 == 1 ? idx : -128;
+        }
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), x32 = _mm512_set1_epi8(32);
+    const __m512i base = _mm512_set1_epi16(4096);
+    const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); /* words 0 / 2 */
+    const __m512i sh23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);   /* words 4 / 6 */
+    for (int64_t b = 0; b < nb; b++) {
+        amx_block6 *o = &wb[b];
+        for (int r = 0; r < 16; r++) {
+            if (r >= nrows) {
+                for (int L = 0; L < 8; L++) memset(o->a[L][r], 0, 64);
+                o->d[r] = 0.0f;
+                continue;
+            }
+            const uint8_t *w = m->data + (row0 + r) * m->row_bytes + b * 210;
+            o->d[r] = h2f(w + 208);
+            __m512i z[4]; /* the block's 256 values q (0..63) in order, 64 a register */
+            for (int h = 0; h < 2; h++) {
+                const __m512i ql = _mm512_loadu_si512(w + 64 * h);
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
+                const __m512i b01 = _mm512_and_si512(_mm512_srlv_epi16(qh, sh01), three);
+                const __m512i b23 = _mm512_and_si512(_mm512_srlv_epi16(qh, sh23), three);
+                z[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(b01, 4));
+                const __m512i hi4 = _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4);
+                z[2 * h + 1] = _mm512_or_si512(hi4, _mm512_slli_epi16(b23, 4));
+            }
+            const __m512i scb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(w + 192)));
+            __m512i pe[2], po[2], oe[2], oo[2];
+            for (int h = 0; h < 2; h++) {
+                pe[h] = _mm512_shuffle_epi8(scb, _mm512_loadu_si512(se[h]));
+                po[h] = _mm512_shuffle_epi8(scb, _mm512_loadu_si512(so[h]));
+                oe[h] = _mm512_sub_epi16(base, _mm512_maddubs_epi16(x32, pe[h])); /* 4096 - 32 sc */
+                oo[h] = _mm512_sub_epi16(base, _mm512_maddubs_epi16(x32, po[h]));
+            }
+            for (int i = 0; i < 4; i++) { /* lanes 2i and 2i + 1 */
+                const __m512i idx = _mm512_loadu_si512(gi[i]);
+                const __m512i lo = _mm512_permutex2var_epi8(z[0], idx, z[1]);
+                const __m512i hi = _mm512_permutex2var_epi8(z[2], idx, z[3]);
+                const __m512i p = _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi);
+                const int h = i / 2;
+                const __m512i e = _mm512_add_epi16(_mm512_maddubs_epi16(p, pe[h]), oe[h]);
+                const __m512i od = _mm512_add_epi16(_mm512_maddubs_epi16(p, po[h]), oo[h]);
+                _mm512_storeu_si512(o->a[2 * i][r], _mm512_shuffle_i64x2(e, od, 0x44));
+                _mm512_storeu_si512(o->a[2 * i + 1][r], _mm512_shuffle_i64x2(e, od, 0xEE));
+            }
+        }
+    }
+}
+
+/* One q6_k block of the 16-row tile against one group of tokens: the 8 lanes' tiles, then each row's float
+ * epilogue (F[r][p]: row r's running lanes 2p in floats t and 2p + 1 in floats 8 + t). */
+static void block_times_group6(const amx_block6 *w, const amx_xblock *x, const __m512i corr[4], int nrows,
+                               __m512 F[16][4]) {
+    int32_t c[8][16][16];
+    lane_tiles(w->a, x, c);
+    for (int r = 0; r < nrows; r++) {
+        const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(w->d[r]), x->dx2);
+        for (int p = 0; p < 4; p++) {
+            const __m512i lane = _mm512_sub_epi32(lane_pair(c, r, p), corr[p]);
+            F[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lane), dd, F[r][p]);
+        }
+    }
+}
+
+/* Every 16-row tile of [row0, row0 + nrows) against the groups [g0, g1) laid out in xbuf and corr6. */
+static void run_groups_q6(const ms_matrix *m, int64_t row0, int64_t nrows, int64_t nb, int64_t g0, int64_t g1,
+                          int64_t T, float *out, int64_t out_stride) {
+    for (int64_t r0 = 0; r0 < nrows; r0 += 16) {
+        const int nr = nrows - r0 < 16 ? (int)(nrows - r0) : 16;
+        lay_out_rows_q6(m, row0 + r0, nr, nb, wbuf6);
+        for (int64_t g = g0; g < g1; g++) {
+            const int n = T - 8 * g < 8 ? (int)(T - 8 * g) : 8;
+            __m512 F[16][4];
+            for (int r = 0; r < nr; r++)
+                for (int p = 0; p < 4; p++) F[r][p] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++)
+                block_times_group6(&wbuf6[b], &xbuf[(g - g0) * nb + b], &corr6[4 * ((g - g0) * nb + b)], nr, F);
+            for (int r = 0; r < nr; r++) {
+                float res[8];
+                _mm256_storeu_ps(res, lanes8_sum(F[r]));
+                for (int t = 0; t < n; t++) out[(8 * g + t) * out_stride + r0 + r] = res[t];
+            }
+        }
+    }
+}
+
+static void by_tiles_q6(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
+                        float *out, int64_t out_stride) {
+    for (int64_t r = 0; r < nrows; r += 4)
+        ms_gemm_q6_k_avx512(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, stride, T, out + r, out_stride);
+}
+
+static void gemm_rows_amx_q6(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                             int64_t T, float *out, int64_t out_stride) {
+    const int64_t nb = m->cols / 256, groups = (T + 7) / 8;
+    const int64_t chunk = AMX_XBLOCKS / nb < 1 ? 1 : AMX_XBLOCKS / nb;
+    const int64_t blocks = (groups < chunk ? groups : chunk) * nb;
+    if (!grow((void **)&xbuf, &xcap, blocks, sizeof(amx_xblock)) || !grow((void **)&corr6, &ccap6, 4 * blocks, 64) ||
+        !grow((void **)&wbuf6, &wcap6, nb, sizeof(amx_block6))) {
+        by_tiles_q6(m, row0, nrows, xp, stride, T, out, out_stride);
+        return;
+    }
+    configure_tiles();
+    for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+        const int64_t g1 = groups - g0 < chunk ? groups : g0 + chunk;
+        for (int64_t g = g0; g < g1; g++) {
+            const int n = T - 8 * g < 8 ? (int)(T - 8 * g) : 8;
+            lay_out_tokens(xp, stride, sizeof(ms_q6_kx), 8 * g, n, nb, &xbuf[(g - g0) * nb]);
+            for (int64_t b = 0; b < nb; b++)
+                lane_sums(xp, stride, sizeof(ms_q6_kx), 8 * g, n, b, &corr6[4 * ((g - g0) * nb + b)]);
+        }
+        run_groups_q6(m, row0, nrows, nb, g0, g1, T, out, out_stride);
+    }
+}
+
+/* q6_k against T > 1 tokens over a run of rows: with AMX from 16 tokens on rows of up to 4096 columns, else the
+ * AVX-512 gemm tile by tile. Model-167 Xeon, one thread, against it: 2048x768 at 8 / 12 / 16 / 20 / 24 / 128
+ * tokens 0.95 / 1.01 / 1.17 / 1.13 / 1.33-1.38 / 1.74-1.78x, 512x2048 at 16 / 24 / 128 1.32 / 1.46 / 1.63x,
+ * 2048x4096 at 24 / 128 / 256 1.60 / 1.58 / 2.39x. */
+void ms_gemm_rows_q6_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                              int64_t T, float *out, int64_t out_stride) {
+    if (T >= 16 && m->cols <= 4096 && ms_use_amx())
+        gemm_rows_amx_q6(m, row0, nrows, xp, stride, T, out, out_stride);
+    else
+        by_tiles_q6(m, row0, nrows, xp, stride, T, out, out_stride);
 }
