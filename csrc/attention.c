@@ -11,25 +11,19 @@
 
 #include "matmul.h"
 #include "norm.h"
+#include "rope.h"
 #include "threadpool.h"
 
 #define LANES 16
 
 /* out [D] = rope(rms_norm(x) * w) (w NULL: rope(x)); sq is [D] scratch. */
 static void norm_rope(const float *x, const ms_gqa_decode_args *a, const float *w, float *sq, float *out) {
-    const int half = a->D / 2;
     const float *src = x;
     if (w != NULL) {
         ms_rms_norm_row(x, w, a->D, a->eps, sq, sq); /* in place: each element is read before written */
         src = sq;
     }
-    const int step = a->interleave ? 2 : 1, second = a->interleave ? 1 : half;
-    for (int i = 0; i < half; i++) {
-        float x1 = src[i * step], x2 = src[i * step + second];
-        float c = a->cos[i], s = a->sin[i];
-        out[i] = x1 * c - x2 * s;
-        out[i + half] = x2 * c + x1 * s;
-    }
+    ms_rope_row(src, a->D, a->cos, a->sin, a->interleave, out);
 }
 
 /* The sum of lane[0..LANES) as halves added pairwise: (l + l+8), then (l + l+4), ... */

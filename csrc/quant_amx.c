@@ -283,11 +283,12 @@ static void block_times_group(const amx_block *w, const amx_xblock *x, int nrows
     }
 }
 
-/* The AVX-512 gemm over the run of rows, tile by tile (as ms_matmul_many runs a format without gemm_rows) */
-static void by_tiles(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
-                     float *out, int64_t out_stride) {
+/* The format's AVX-512 gemm over the run of rows, tile by tile (as ms_matmul_many runs a format without
+ * gemm_rows) */
+static void by_tiles(ms_gemm_fn gemm, const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                     int64_t T, float *out, int64_t out_stride) {
     for (int64_t r = 0; r < nrows; r += 4)
-        ms_gemm_q4_k_avx512(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, stride, T, out + r, out_stride);
+        gemm(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, stride, T, out + r, out_stride);
 }
 
 /* Every row tile of [row0, row0 + nrows) against the groups [g0, g1) of 8 tokens laid out in xbuf. */
@@ -327,38 +328,6 @@ static void run_groups(const ms_matrix *m, int64_t row0, int64_t nrows, int64_t 
  * they stay in L2 while every row tile runs against them (2048x4096 at 128 tokens, all 16 groups' 2.1 MB at once:
  * 0.87-0.88x the VNNI gemm; 64 tokens, 1.1 MB: 1.14-1.15x). */
 #define AMX_XBLOCKS 128
-
-static void gemm_rows_amx(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
-                          float *out, int64_t out_stride) {
-    const int64_t nb = m->cols / 256, groups = (T + 7) / 8;
-    const int64_t chunk = AMX_XBLOCKS / nb < 1 ? 1 : AMX_XBLOCKS / nb; /* groups laid out at a time */
-    if (!grow((void **)&xbuf, &xcap, (groups < chunk ? groups : chunk) * nb, sizeof(amx_xblock)) ||
-        !grow((void **)&wbuf, &wcap, nb, sizeof(amx_block))) {
-        by_tiles(m, row0, nrows, xp, stride, T, out, out_stride);
-        return;
-    }
-    configure_tiles();
-    for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
-        const int64_t g1 = groups - g0 < chunk ? groups : g0 + chunk;
-        for (int64_t g = g0; g < g1; g++)
-            lay_out_tokens(xp, stride, sizeof(ms_q8_kx), 8 * g, T - 8 * g < 8 ? (int)(T - 8 * g) : 8, nb,
-                           &xbuf[(g - g0) * nb]);
-        run_groups(m, row0, nrows, nb, g0, g1, T, out, out_stride);
-    }
-}
-
-/* q4_k against T > 1 tokens over a run of rows: with AMX (gemm_rows_amx) from 24 tokens and for rows of at
- * most 4096 columns, where it beat the VNNI gemm (model-167 Xeon, one thread, against VNNI: 768x2048 at 8
- * tokens 0.78-0.83x, 16 0.91-0.97x, 24 1.07x, 32 1.09x; at 128 tokens 4096x2048 1.10-1.17x, 512x2048
- * 1.09-1.19x; 768x2048 at 256 / 512 tokens 1.20 / 1.19x; 2048x4096 at 24 / 64 / 128 / 256 tokens 1.05 / 1.15 /
- * 1.11 / 1.10x once the tokens are laid out ~1 MB at a time); else the AVX-512 gemm tile by tile. */
-void ms_gemm_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
-                              int64_t T, float *out, int64_t out_stride) {
-    if (T >= 24 && m->cols <= 4096 && ms_use_amx())
-        gemm_rows_amx(m, row0, nrows, xp, stride, T, out, out_stride);
-    else
-        by_tiles(m, row0, nrows, xp, stride, T, out, out_stride);
-}
 
 /* ---- q6_k ------------------------------------------------------------------------------------------------
  * Canonical lane L of a q6_k block is sum over its 32 positions e (4 of each 32-value chunk) of
@@ -494,20 +463,20 @@ static void run_groups_q6(const ms_matrix *m, int64_t row0, int64_t nrows, int64
     }
 }
 
-static void by_tiles_q6(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride, int64_t T,
-                        float *out, int64_t out_stride) {
-    for (int64_t r = 0; r < nrows; r += 4)
-        ms_gemm_q6_k_avx512(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, stride, T, out + r, out_stride);
-}
-
-static void gemm_rows_amx_q6(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
-                             int64_t T, float *out, int64_t out_stride) {
+/* q4_k (q6 0) or q6_k (q6 1) over the run of rows with AMX: the tokens laid out AMX_XBLOCKS blocks at a time (q6_k
+ * with its lanes' activation sums), every 16-row tile run against each such run. */
+static void gemm_rows_amx(int q6, const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                          int64_t T, float *out, int64_t out_stride) {
     const int64_t nb = m->cols / 256, groups = (T + 7) / 8;
-    const int64_t chunk = AMX_XBLOCKS / nb < 1 ? 1 : AMX_XBLOCKS / nb;
+    const int64_t chunk = AMX_XBLOCKS / nb < 1 ? 1 : AMX_XBLOCKS / nb; /* groups laid out at a time */
     const int64_t blocks = (groups < chunk ? groups : chunk) * nb;
-    if (!grow((void **)&xbuf, &xcap, blocks, sizeof(amx_xblock)) || !grow((void **)&corr6, &ccap6, 4 * blocks, 64) ||
-        !grow((void **)&wbuf6, &wcap6, nb, sizeof(amx_block6))) {
-        by_tiles_q6(m, row0, nrows, xp, stride, T, out, out_stride);
+    const int64_t rec = q6 ? (int64_t)sizeof(ms_q6_kx) : (int64_t)sizeof(ms_q8_kx);
+    const int ok = grow((void **)&xbuf, &xcap, blocks, sizeof(amx_xblock)) &&
+                   (q6 ? grow((void **)&corr6, &ccap6, 4 * blocks, 64) &&
+                             grow((void **)&wbuf6, &wcap6, nb, sizeof(amx_block6))
+                       : grow((void **)&wbuf, &wcap, nb, sizeof(amx_block)));
+    if (!ok) {
+        by_tiles(q6 ? ms_gemm_q6_k_avx512 : ms_gemm_q4_k_avx512, m, row0, nrows, xp, stride, T, out, out_stride);
         return;
     }
     configure_tiles();
@@ -515,12 +484,28 @@ static void gemm_rows_amx_q6(const ms_matrix *m, int64_t row0, int64_t nrows, co
         const int64_t g1 = groups - g0 < chunk ? groups : g0 + chunk;
         for (int64_t g = g0; g < g1; g++) {
             const int n = T - 8 * g < 8 ? (int)(T - 8 * g) : 8;
-            lay_out_tokens(xp, stride, sizeof(ms_q6_kx), 8 * g, n, nb, &xbuf[(g - g0) * nb]);
-            for (int64_t b = 0; b < nb; b++)
-                lane_sums(xp, stride, sizeof(ms_q6_kx), 8 * g, n, b, &corr6[4 * ((g - g0) * nb + b)]);
+            lay_out_tokens(xp, stride, rec, 8 * g, n, nb, &xbuf[(g - g0) * nb]);
+            for (int64_t b = 0; q6 && b < nb; b++)
+                lane_sums(xp, stride, rec, 8 * g, n, b, &corr6[4 * ((g - g0) * nb + b)]);
         }
-        run_groups_q6(m, row0, nrows, nb, g0, g1, T, out, out_stride);
+        if (q6)
+            run_groups_q6(m, row0, nrows, nb, g0, g1, T, out, out_stride);
+        else
+            run_groups(m, row0, nrows, nb, g0, g1, T, out, out_stride);
     }
+}
+
+/* q4_k against T > 1 tokens over a run of rows: with AMX (gemm_rows_amx) from 24 tokens and for rows of at
+ * most 4096 columns, where it beat the VNNI gemm (model-167 Xeon, one thread, against VNNI: 768x2048 at 8
+ * tokens 0.78-0.83x, 16 0.91-0.97x, 24 1.07x, 32 1.09x; at 128 tokens 4096x2048 1.10-1.17x, 512x2048
+ * 1.09-1.19x; 768x2048 at 256 / 512 tokens 1.20 / 1.19x; 2048x4096 at 24 / 64 / 128 / 256 tokens 1.05 / 1.15 /
+ * 1.11 / 1.10x once the tokens are laid out ~1 MB at a time); else the AVX-512 gemm tile by tile. */
+void ms_gemm_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                              int64_t T, float *out, int64_t out_stride) {
+    if (T >= 24 && m->cols <= 4096 && ms_use_amx())
+        gemm_rows_amx(0, m, row0, nrows, xp, stride, T, out, out_stride);
+    else
+        by_tiles(ms_gemm_q4_k_avx512, m, row0, nrows, xp, stride, T, out, out_stride);
 }
 
 /* q6_k against T > 1 tokens over a run of rows: with AMX from 16 tokens on rows of up to 4096 columns, else the
@@ -530,7 +515,7 @@ static void gemm_rows_amx_q6(const ms_matrix *m, int64_t row0, int64_t nrows, co
 void ms_gemm_rows_q6_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
                               int64_t T, float *out, int64_t out_stride) {
     if (T >= 16 && m->cols <= 4096 && ms_use_amx())
-        gemm_rows_amx_q6(m, row0, nrows, xp, stride, T, out, out_stride);
+        gemm_rows_amx(1, m, row0, nrows, xp, stride, T, out, out_stride);
     else
-        by_tiles_q6(m, row0, nrows, xp, stride, T, out, out_stride);
+        by_tiles(ms_gemm_q6_k_avx512, m, row0, nrows, xp, stride, T, out, out_stride);
 }
