@@ -767,8 +767,17 @@ static inline q4k_consts q4k_make_consts(void) {
     return c;
 }
 
+/* acc + the sums of each pair of products p * sc: madd then add, or with VNNI vpdpwssd in one instruction (the
+ * same sums: none can overflow, |acc| <= 256 * 15 * 128 * 63). */
+typedef __m512i (*pair_sums_fn)(__m512i acc, __m512i p, __m512i sc);
+static inline __m512i madd_add(__m512i acc, __m512i p, __m512i sc) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
+}
+static inline VNNI __m512i dpwssd(__m512i acc, __m512i p, __m512i sc) { return _mm512_dpwssd_epi32(acc, p, sc); }
+
 /* One q4_k block w against the token's block x, added to a row's lanes a->f and min lanes a->fmin. */
-static inline void q4k_block_avx512(const void *consts, const uint8_t *w, const char *xb, row_lanes *a) {
+static inline __attribute__((always_inline)) void q4k_block(const void *consts, const uint8_t *w, const char *xb,
+                                                            row_lanes *a, pair_sums_fn add_pairs) {
     const q4k_consts *c = consts;
     const ms_q8_kx *x = (const ms_q8_kx *)xb;
     __m128i sc, mn;
@@ -779,11 +788,21 @@ static inline void q4k_block_avx512(const void *consts, const uint8_t *w, const 
         __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * k)));
         __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(v, c->shift), c->m4);
         __m512i p = _mm512_maddubs_epi16(nib, _mm512_loadu_si512(x->q + 64 * k));
-        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(c->pair[k], scales)));
+        acc = add_pairs(acc, p, _mm512_permutexvar_epi16(c->pair[k], scales));
         KEEP_IN_REGISTER(acc);
     }
     __m256i t = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
     a->f = q4k_epilogue(w, x, mn, t, a->f, &a->fmin);
+}
+
+static inline void q4k_block_avx512(const void *consts, const uint8_t *w, const char *xb, row_lanes *a) {
+    q4k_block(consts, w, xb, a, madd_add);
+}
+
+/* With vpdpwssd a block takes 4 of its ~55 instructions fewer (model-167 Xeon, one thread, 512x2048 in L2:
+ * 24.1 -> 25.9 GB/s, 256x3072 23.8 -> 25.5). */
+static inline VNNI void q4k_block_vnni(const void *consts, const uint8_t *w, const char *xb, row_lanes *a) {
+    q4k_block(consts, w, xb, a, dpwssd);
 }
 
 static inline float q4k_finish(row_lanes a) { return reduce8(a.f) - q4k_min_reduce(a.fmin); }
@@ -791,17 +810,37 @@ static inline float q4k_finish(row_lanes a) { return reduce8(a.f) - q4k_min_redu
 /* q4_k against one token: each 32 bytes of nibbles broadcast to both halves, the high half shifted, give
  * sub-blocks 2k (low nibbles) and 2k + 1 (high) against 64 consecutive activations, madd by the two
  * sub-blocks' scales; the halves are added at the end of the block: the lanes of ms_dot4_q4_k_avx2, and
- * its epilogue. The next tile is prefetched (4 rows ahead). */
+ * its epilogue (q4k_block_vnni where the CPU has VNNI). The next tile is prefetched (4 rows ahead). */
+static VNNI void dot4_q4_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    const q4k_consts c = q4k_make_consts();
+    rows_one_stream(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes,
+                    q4k_block_vnni, q4k_finish, &c);
+}
+
 void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    if (ms_use_vnni()) {
+        dot4_q4_k_vnni(m, row0, nrows, xp, out);
+        return;
+    }
     const q4k_consts c = q4k_make_consts();
     rows_one_stream(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes,
                     q4k_block_avx512, q4k_finish, &c);
+}
+
+static VNNI void rows_q4_k_vnni(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+    const q4k_consts c = q4k_make_consts();
+    rows_streams(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes, q4k_block_vnni,
+                 q4k_finish, &c);
 }
 
 /* Xeon Sapphire Rapids, 2 threads, from memory, one -> four streams (kernels.py, alternate runs): q4_k
  * 4096x14336 65-72% -> 62-80% of the read, 7168x2048 69-71% -> 64-80%, 3584x3072 67-75% -> 69-77%; q6_k
  * 68-72% -> 96%, 68-76% -> 92-95%, 69-72% -> 77-85%. */
 void ms_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+    if (ms_use_vnni()) {
+        rows_q4_k_vnni(m, row0, nrows, xp, out);
+        return;
+    }
     const q4k_consts c = q4k_make_consts();
     rows_streams(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes,
                  q4k_block_avx512, q4k_finish, &c);
