@@ -625,7 +625,7 @@ static PyObject *py_block_rows_matmul(PyObject *self, PyObject *args) {
     return block_rows(args, 1);
 }
 
-/* moe_combine(ys [N, width], rows int64 [T, k], w [T, k], out [T, width], threads) */
+/* rope(x [T, heads, D], cos [T, D/2], sin [T, D/2], T, heads, D, interleave, out [T, heads, D]) */
 static PyObject *py_rope(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *obj[4];
@@ -661,6 +661,7 @@ release:
     return ret;
 }
 
+/* moe_combine(ys [N, width], rows int64 [T, k], w [T, k], out [T, width], threads) */
 static PyObject *py_moe_combine(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *obj[4];

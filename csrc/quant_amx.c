@@ -495,27 +495,29 @@ static void gemm_rows_amx(int q6, const ms_matrix *m, int64_t row0, int64_t nrow
     }
 }
 
-/* q4_k against T > 1 tokens over a run of rows: with AMX (gemm_rows_amx) from 24 tokens and for rows of at
- * most 4096 columns, where it beat the VNNI gemm (model-167 Xeon, one thread, against VNNI: 768x2048 at 8
- * tokens 0.78-0.83x, 16 0.91-0.97x, 24 1.07x, 32 1.09x; at 128 tokens 4096x2048 1.10-1.17x, 512x2048
- * 1.09-1.19x; 768x2048 at 256 / 512 tokens 1.20 / 1.19x; 2048x4096 at 24 / 64 / 128 / 256 tokens 1.05 / 1.15 /
- * 1.11 / 1.10x once the tokens are laid out ~1 MB at a time); else the AVX-512 gemm tile by tile. */
-void ms_gemm_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
-                              int64_t T, float *out, int64_t out_stride) {
-    if (T >= 24 && m->cols <= 4096 && ms_use_amx())
-        gemm_rows_amx(0, m, row0, nrows, xp, stride, T, out, out_stride);
+/* Format q6 (0 q4_k, 1 q6_k) against T > 1 tokens over a run of rows: with AMX (gemm_rows_amx) from amx_from
+ * tokens on rows of up to 4096 columns, where it beat the AVX-512 gemm; else that gemm tile by tile. */
+static void amx_or_tiles(int q6, int64_t amx_from, const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp,
+                         int64_t stride, int64_t T, float *out, int64_t out_stride) {
+    if (T >= amx_from && m->cols <= 4096 && ms_use_amx())
+        gemm_rows_amx(q6, m, row0, nrows, xp, stride, T, out, out_stride);
     else
-        by_tiles(ms_gemm_q4_k_avx512, m, row0, nrows, xp, stride, T, out, out_stride);
+        by_tiles(q6 ? ms_gemm_q6_k_avx512 : ms_gemm_q4_k_avx512, m, row0, nrows, xp, stride, T, out, out_stride);
 }
 
-/* q6_k against T > 1 tokens over a run of rows: with AMX from 16 tokens on rows of up to 4096 columns, else the
- * AVX-512 gemm tile by tile. Model-167 Xeon, one thread, against it: 2048x768 at 8 / 12 / 16 / 20 / 24 / 128
- * tokens 0.95 / 1.01 / 1.17 / 1.13 / 1.33-1.38 / 1.74-1.78x, 512x2048 at 16 / 24 / 128 1.32 / 1.46 / 1.63x,
- * 2048x4096 at 24 / 128 / 256 1.60 / 1.58 / 2.39x. */
+/* q4_k: AMX from 24 tokens (model-167 Xeon, one thread, against VNNI: 768x2048 at 8 tokens 0.78-0.83x, 16
+ * 0.91-0.97x, 24 1.07x, 32 1.09x; at 128 tokens 4096x2048 1.10-1.17x, 512x2048 1.09-1.19x; 768x2048 at 256 / 512
+ * tokens 1.20 / 1.19x; 2048x4096 at 24 / 64 / 128 / 256 tokens 1.05 / 1.15 / 1.11 / 1.10x once the tokens are laid
+ * out ~1 MB at a time). */
+void ms_gemm_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                              int64_t T, float *out, int64_t out_stride) {
+    amx_or_tiles(0, 24, m, row0, nrows, xp, stride, T, out, out_stride);
+}
+
+/* q6_k: AMX from 16 tokens (model-167 Xeon, one thread, against the AVX-512 gemm: 2048x768 at 8 / 12 / 16 / 20 /
+ * 24 / 128 tokens 0.95 / 1.01 / 1.17 / 1.13 / 1.33-1.38 / 1.74-1.78x, 512x2048 at 16 / 24 / 128 1.32 / 1.46 /
+ * 1.63x, 2048x4096 at 24 / 128 / 256 1.60 / 1.58 / 2.39x). */
 void ms_gemm_rows_q6_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
                               int64_t T, float *out, int64_t out_stride) {
-    if (T >= 16 && m->cols <= 4096 && ms_use_amx())
-        gemm_rows_amx(1, m, row0, nrows, xp, stride, T, out, out_stride);
-    else
-        by_tiles(ms_gemm_q6_k_avx512, m, row0, nrows, xp, stride, T, out, out_stride);
+    amx_or_tiles(1, 16, m, row0, nrows, xp, stride, T, out, out_stride);
 }
