@@ -178,6 +178,7 @@ void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
 void ms_gemm_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                        float *out, int64_t out_stride);
 void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_rows_q4_k_avx2(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 void ms_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride);
@@ -190,6 +191,7 @@ void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
 void ms_gemm_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                        float *out, int64_t out_stride);
 void ms_dot4_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
+void ms_rows_q6_k_avx2(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 void ms_rows_q6_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 void ms_gemm_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride);

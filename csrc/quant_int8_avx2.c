@@ -50,38 +50,44 @@ static inline __m256i lane_word_mask(int m) { return _mm256_set1_epi16((short)((
  * memory operand, not a register) */
 static inline __m256i pick_word(__m256i v, int m) { return _mm256_shuffle_epi8(v, lane_word_mask(m)); }
 
-void ms_dot4_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    int64_t nb = m->cols / 256;
+/* One q4_k block w against the token's block x, added to a row's lanes a->f and min lanes a->fmin. */
+static inline void q4_k_block_avx2(const void *consts, const uint8_t *w, const char *xb, row_lanes *a) {
+    (void)consts;
+    const ms_q8_kx *x = (const ms_q8_kx *)xb;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const int l2 = ms_prefetch_into_l2(4 * m->row_bytes);
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        __m256 f = _mm256_setzero_ps();
-        __m128 fmin = _mm_setzero_ps();
-        for (int64_t b = 0; b < nb; b++, w += 144) {
-            prefetch_ahead(w, 4 * m->row_bytes, 144, l2);
-            __m128i sc, mn;
-            q4k_scales_mins(w + 4, &sc, &mn);
-            /* the 8 scales as int16 in both lanes; sub-block j's scale in every slot by one byte shuffle */
-            __m256i scales = _mm256_broadcastsi128_si256(sc);
-            const uint8_t *q = w + 16;
-            const int8_t *qx = x[b].q;
-            __m256i acc = _mm256_setzero_si256();
-            for (int k = 0; k < 4; k++) { /* 32 bytes: sub-block 2k in the low nibbles, 2k+1 in the high */
-                __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * k));
-                __m256i lo = _mm256_and_si256(bytes, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-                __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(qx + 64 * k)));
-                __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(qx + 64 * k + 32)));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, pick_word(scales, 2 * k)));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, pick_word(scales, 2 * k + 1)));
-            }
-            f = q4k_epilogue(w, &x[b], mn, acc, f, &fmin);
-        }
-        out[r] = reduce8(f) - q4k_min_reduce(fmin);
+    __m128i sc, mn;
+    q4k_scales_mins(w + 4, &sc, &mn);
+    /* the 8 scales as int16 in both lanes; sub-block j's scale in every slot by one byte shuffle */
+    __m256i scales = _mm256_broadcastsi128_si256(sc);
+    const uint8_t *q = w + 16;
+    const int8_t *qx = x->q;
+    __m256i acc = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) { /* 32 bytes: sub-block 2k in the low nibbles, 2k+1 in the high */
+        __m256i bytes = _mm256_loadu_si256((const __m256i *)(q + 32 * k));
+        __m256i lo = _mm256_and_si256(bytes, low4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(qx + 64 * k)));
+        __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(qx + 64 * k + 32)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, pick_word(scales, 2 * k)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, pick_word(scales, 2 * k + 1)));
     }
+    a->f = q4k_epilogue(w, x, mn, acc, a->f, &a->fmin);
 }
+
+/* A format's one-token kernels from its block function: the tile kernel, its rows one after another with
+ * the next tile prefetched (4 rows ahead), and the run-of-rows kernel in ms_weight_streams_for() streams
+ * (rows_streams), each row's sum the tile kernel's. */
+#define ONE_TOKEN_KERNELS(NAME, BYTES, XTYPE)                                                                 \
+    void ms_dot4_##NAME##_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {    \
+        rows_one_stream(m, row0, nrows, (const char *)xp, out, BYTES, sizeof(XTYPE), 4 * m->row_bytes,        \
+                        NAME##_block_avx2, NAME##_finish, NULL);                                              \
+    }                                                                                                        \
+    void ms_rows_##NAME##_avx2(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) { \
+        rows_streams(m, row0, nrows, (const char *)xp, out, BYTES, sizeof(XTYPE), 4 * m->row_bytes,           \
+                     NAME##_block_avx2, NAME##_finish, NULL);                                                 \
+    }
+
+ONE_TOKEN_KERNELS(q4_k, 144, ms_q8_kx)
 
 /* One int4 block: the 16 bytes in both lanes, the high lane shifted, give the nibbles in nibble order
  * (low nibbles = even columns, then high), multiplied as they lie; 8 * sum(x) per lane comes off. */
@@ -115,39 +121,32 @@ void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
     }
 }
 
-void ms_dot4_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q6_kx *x = (const ms_q6_kx *)xp;
-    int64_t nb = m->cols / 256;
-    /* the 16 int8 scales reordered even ones first, so that after widening the low lane holds the even
-     * scales and the high lane the odd ones: scale pair (g, g + 1) is int16 g / 2 of both lanes */
+/* One q6_k block w against the token's block x, added to a row's lanes a->f: the 16 int8 scales reordered
+ * even ones first, so that after widening the low lane holds the even scales and the high lane the odd
+ * ones (scale pair (g, g + 1) is int16 g / 2 of both lanes). */
+static inline void q6_k_block_avx2(const void *consts, const uint8_t *w, const char *xb, row_lanes *a) {
+    (void)consts;
+    const ms_q6_kx *x = (const ms_q6_kx *)xb;
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const int l2 = ms_prefetch_into_l2(4 * m->row_bytes);
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        __m256 f = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++, w += 210) {
-            prefetch_ahead(w, 4 * m->row_bytes, 210, l2);
-            __m256i scales =
-                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), even_odd));
-            const int8_t *qx = x[b].k.q;
-            const int16_t *x32 = x[b].x32;
-            __m256i acc = _mm256_setzero_si256();
-            for (int h = 0; h < 2; h++) {
-                __m256i q[4];
-                q6k_values(w, h, q);
-                for (int k = 0; k < 4; k++) { /* (q - 32) x = q x - 32 x, both exact int16 pair sums */
-                    int c = 4 * h + k;
-                    __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(qx + 32 * c)));
-                    p = _mm256_sub_epi16(p, _mm256_loadu_si256((const __m256i *)(x32 + 16 * c)));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pick_word(scales, c))); /* sc[2c], sc[2c + 1] */
-                    KEEP_IN_REGISTER(acc);
-                }
-            }
-            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(h2f(w + 208) * x[b].k.d), f);
+    __m256i scales = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), even_odd));
+    const int8_t *qx = x->k.q;
+    const int16_t *x32 = x->x32;
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256i q[4];
+        q6k_values(w, h, q);
+        for (int k = 0; k < 4; k++) { /* (q - 32) x = q x - 32 x, both exact int16 pair sums */
+            int c = 4 * h + k;
+            __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(qx + 32 * c)));
+            p = _mm256_sub_epi16(p, _mm256_loadu_si256((const __m256i *)(x32 + 16 * c)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pick_word(scales, c))); /* sc[2c], sc[2c + 1] */
+            KEEP_IN_REGISTER(acc);
         }
-        out[r] = reduce8(f);
     }
+    a->f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(h2f(w + 208) * x->k.d), a->f);
 }
+
+ONE_TOKEN_KERNELS(q6_k, 210, ms_q6_kx)
 
 /* mxfp4 x three-digit int8 activations (see quant_int8.c): a byte shuffle makes the nibbles the unsigned
  * doubled E2M1 values k + 12 (0..24), so maddubs against a digit (|p| <= 64) stays in int16 (a low-nibble

@@ -630,61 +630,6 @@ void ms_gemm_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char
                    grow((void **)&q6k_grp, &q6k_grp_cap, 2 * nb, sizeof(__m512)));
 }
 
-/* A row's float lanes while its blocks are summed, for the decode drivers below. */
-typedef struct {
-    __m256 f;
-    __m128 fmin;
-} row_lanes;
-
-typedef void (*block_fn)(const void *consts, const uint8_t *w, const char *xb, row_lanes *a);
-typedef float (*finish_fn)(row_lanes a);
-
-/* Rows [row0, row0 + nrows) one after another against one token's prepared blocks xp (x_bytes each), each
- * block's bytes prefetched `ahead` bytes on. */
-static inline __attribute__((always_inline)) void rows_one_stream(const ms_matrix *m, int64_t row0, int64_t nrows,
-                                                                  const char *xp, float *out, int bytes,
-                                                                  int x_bytes, int64_t ahead, block_fn block,
-                                                                  finish_fn finish, const void *consts) {
-    const int64_t nb = m->cols / 256;
-    const int l2 = ms_prefetch_into_l2(ahead);
-    for (int64_t r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        row_lanes a = {_mm256_setzero_ps(), _mm_setzero_ps()};
-        for (int64_t b = 0; b < nb; b++, w += bytes) {
-            prefetch_ahead(w, ahead, bytes, l2);
-            block(consts, w, xp + b * x_bytes, &a);
-        }
-        out[r] = finish(a);
-    }
-}
-
-/* The same rows with the same sums, read as ms_weight_streams_for() streams: with four, the run is taken as four
- * runs of consecutive rows whose blocks are read in turn, one block of each, each prefetched 4 blocks
- * ahead, so that four streams are in flight at once, which the prefetchers of Intel CPUs follow each on
- * its own; the rows left over (fewer than four) and the case of one stream as rows_one_stream. */
-static inline __attribute__((always_inline)) void rows_streams(const ms_matrix *m, int64_t row0, int64_t nrows,
-                                                               const char *xp, float *out, int bytes, int x_bytes,
-                                                               int64_t ahead, block_fn block, finish_fn finish,
-                                                               const void *consts) {
-    const int64_t nb = m->cols / 256, q = ms_weight_streams_for(nb * x_bytes) == 4 ? nrows / 4 : 0;
-    for (int64_t i = 0; i < q; i++) {
-        const uint8_t *w[4];
-        row_lanes a[4];
-        for (int s = 0; s < 4; s++) {
-            w[s] = m->data + (row0 + s * q + i) * m->row_bytes;
-            a[s] = (row_lanes){_mm256_setzero_ps(), _mm_setzero_ps()};
-        }
-        for (int64_t b = 0; b < nb; b++) {
-            for (int s = 0; s < 4; s++) {
-                prefetch_ahead(w[s] + b * bytes, 4 * bytes, bytes, 0);
-                block(consts, w[s] + b * bytes, xp + b * x_bytes, &a[s]);
-            }
-        }
-        for (int s = 0; s < 4; s++) out[s * q + i] = finish(a[s]);
-    }
-    rows_one_stream(m, row0 + 4 * q, nrows - 4 * q, xp, out + 4 * q, bytes, x_bytes, ahead, block, finish, consts);
-}
-
 /* q6_k against one token: per half block, the 64 low-bit bytes and the 32 high-bit bytes (twice) give two
  * pairs of 32-value chunks, (low nibbles | 2 high bits << 4) for chunks 4h, 4h + 1 and (high nibbles |
  * ...) for 4h + 2, 4h + 3; then (v - 32) x = maddubs(v, x) - 32 x and madd by the four sub-blocks' scales,
@@ -738,18 +683,16 @@ static inline void q6k_block_avx512(const void *consts, const uint8_t *w, const 
     a->f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(h2f(w + 208) * x->k.d), a->f);
 }
 
-static inline float q6k_finish(row_lanes a) { return reduce8(a.f); }
-
 void ms_dot4_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const q6k_consts c = q6k_make_consts();
     rows_one_stream(m, row0, nrows, (const char *)xp, out, 210, sizeof(ms_q6_kx), next_tile_ahead(m),
-                    q6k_block_avx512, q6k_finish, &c);
+                    q6k_block_avx512, q6_k_finish, &c);
 }
 
 void ms_rows_q6_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     const q6k_consts c = q6k_make_consts();
     rows_streams(m, row0, nrows, (const char *)xp, out, 210, sizeof(ms_q6_kx), next_tile_ahead(m),
-                 q6k_block_avx512, q6k_finish, &c);
+                 q6k_block_avx512, q6_k_finish, &c);
 }
 
 typedef struct {
@@ -805,8 +748,6 @@ static inline VNNI void q4k_block_vnni(const void *consts, const uint8_t *w, con
     q4k_block(consts, w, xb, a, dpwssd);
 }
 
-static inline float q4k_finish(row_lanes a) { return reduce8(a.f) - q4k_min_reduce(a.fmin); }
-
 /* q4_k against one token: each 32 bytes of nibbles broadcast to both halves, the high half shifted, give
  * sub-blocks 2k (low nibbles) and 2k + 1 (high) against 64 consecutive activations, madd by the two
  * sub-blocks' scales; the halves are added at the end of the block: the lanes of ms_dot4_q4_k_avx2, and
@@ -814,7 +755,7 @@ static inline float q4k_finish(row_lanes a) { return reduce8(a.f) - q4k_min_redu
 static VNNI void dot4_q4_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const q4k_consts c = q4k_make_consts();
     rows_one_stream(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes,
-                    q4k_block_vnni, q4k_finish, &c);
+                    q4k_block_vnni, q4_k_finish, &c);
 }
 
 void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
@@ -824,13 +765,13 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
     }
     const q4k_consts c = q4k_make_consts();
     rows_one_stream(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes,
-                    q4k_block_avx512, q4k_finish, &c);
+                    q4k_block_avx512, q4_k_finish, &c);
 }
 
 static VNNI void rows_q4_k_vnni(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     const q4k_consts c = q4k_make_consts();
     rows_streams(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes, q4k_block_vnni,
-                 q4k_finish, &c);
+                 q4_k_finish, &c);
 }
 
 /* Xeon Sapphire Rapids, 2 threads, from memory, one -> four streams (kernels.py, alternate runs): q4_k
@@ -843,7 +784,7 @@ void ms_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const 
     }
     const q4k_consts c = q4k_make_consts();
     rows_streams(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes,
-                 q4k_block_avx512, q4k_finish, &c);
+                 q4k_block_avx512, q4_k_finish, &c);
 }
 
 /* q2_k and q3_k with VNNI: a block's 64 bytes of 2-bit values (as tq2_0's) in one register, shifted by 2j,

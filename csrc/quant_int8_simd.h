@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "matmul.h"
 #include "quant.h"
 #include "quant_int8.h"
 
@@ -114,6 +115,69 @@ static inline void q4k_scales_mins(const uint8_t *s, __m128i *sc, __m128i *mn) {
     *sc = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8));
     *mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn8));
 }
+
+/* A row's float lanes while its blocks are summed, for the decode drivers below (the AVX2 and AVX-512
+ * kernels' blocks plug into them). */
+typedef struct {
+    __m256 f;
+    __m128 fmin;
+} row_lanes;
+
+typedef void (*block_fn)(const void *consts, const uint8_t *w, const char *xb, row_lanes *a);
+typedef float (*finish_fn)(row_lanes a);
+
+/* Rows [row0, row0 + nrows) one after another against one token's prepared blocks xp (x_bytes each), each
+ * block's bytes prefetched `ahead` bytes on. */
+static inline __attribute__((always_inline)) void rows_one_stream(const ms_matrix *m, int64_t row0, int64_t nrows,
+                                                                  const char *xp, float *out, int bytes,
+                                                                  int x_bytes, int64_t ahead, block_fn block,
+                                                                  finish_fn finish, const void *consts) {
+    const int64_t nb = m->cols / 256;
+    const int l2 = ms_prefetch_into_l2(ahead);
+    for (int64_t r = 0; r < nrows; r++) {
+        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
+        row_lanes a = {_mm256_setzero_ps(), _mm_setzero_ps()};
+        for (int64_t b = 0; b < nb; b++, w += bytes) {
+            prefetch_ahead(w, ahead, bytes, l2);
+            block(consts, w, xp + b * x_bytes, &a);
+        }
+        out[r] = finish(a);
+    }
+}
+
+/* The same rows with the same sums, read as ms_weight_streams_for() streams: with four, the run is taken as four
+ * runs of consecutive rows whose blocks are read in turn, one block of each, each prefetched 4 blocks
+ * ahead, so that four streams are in flight at once, which the prefetchers of Intel CPUs follow each on
+ * its own, and each block of a wide row's activations serves four rows while it is in a small L1; the rows
+ * left over (fewer than four) and the case of one stream as rows_one_stream. The AVX2 q4_k and q6_k kernels
+ * too (Zen 3, L1d 32 KB, 4096x14336 from memory, kernels.py: two threads q4_k 78 -> 86% of the read, q6_k
+ * 77 -> 90%; in-process A/B, one thread, q6_k 82-86 -> 96-108% of a one-stream read). */
+static inline __attribute__((always_inline)) void rows_streams(const ms_matrix *m, int64_t row0, int64_t nrows,
+                                                               const char *xp, float *out, int bytes, int x_bytes,
+                                                               int64_t ahead, block_fn block, finish_fn finish,
+                                                               const void *consts) {
+    const int64_t nb = m->cols / 256, q = ms_weight_streams_for(nb * x_bytes) == 4 ? nrows / 4 : 0;
+    for (int64_t i = 0; i < q; i++) {
+        const uint8_t *w[4];
+        row_lanes a[4];
+        for (int s = 0; s < 4; s++) {
+            w[s] = m->data + (row0 + s * q + i) * m->row_bytes;
+            a[s] = (row_lanes){_mm256_setzero_ps(), _mm_setzero_ps()};
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            for (int s = 0; s < 4; s++) {
+                prefetch_ahead(w[s] + b * bytes, 4 * bytes, bytes, 0);
+                block(consts, w[s] + b * bytes, xp + b * x_bytes, &a[s]);
+            }
+        }
+        for (int s = 0; s < 4; s++) out[s * q + i] = finish(a[s]);
+    }
+    rows_one_stream(m, row0 + 4 * q, nrows - 4 * q, xp, out + 4 * q, bytes, x_bytes, ahead, block, finish, consts);
+}
+
+/* A q4_k row's sum from its lanes (the mins' share off), a q6_k row's. */
+static inline float q4_k_finish(row_lanes a) { return reduce8(a.f) - q4k_min_reduce(a.fmin); }
+static inline float q6_k_finish(row_lanes a) { return reduce8(a.f); }
 
 /* q4_k against several tokens: each weight block of the tile is unpacked once (nibbles split, scales
  * widened, super-scales converted) into a per-thread buffer, then every token runs over the unpacked
