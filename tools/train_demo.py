@@ -16,6 +16,7 @@ the engine reads. Torch is a tool dependency here, never a runtime one.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -76,8 +77,10 @@ DEMO: dict[str, Any] = dict(
 # ---- data ----------------------------------------------------------------------------------------------------
 
 
-def stdlib_files() -> list[tuple[str, str]]:
-    """(relative path, text) of every UTF-8 .py file of this Python's standard library, sorted by path."""
+@functools.cache
+def stdlib_files() -> tuple[tuple[str, str], ...]:
+    """(relative path, text) of every UTF-8 .py file of this Python's standard library, sorted by path
+    (read once a process)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for p in sorted(root.rglob("*.py")):
@@ -88,11 +91,18 @@ def stdlib_files() -> list[tuple[str, str]]:
             out.append((rel, p.read_bytes().decode("utf-8")))
         except UnicodeDecodeError:
             continue
-    return out
+    return tuple(out)
 
 
 def is_held_out(rel: str) -> bool:
     return zlib.crc32(rel.encode()) % 100 < HELD_OUT_PERCENT
+
+
+@functools.cache
+def training_tokens() -> tuple[bytes, ...]:
+    """The demo's BPE tokens: train_bpe over the training files with N_MERGES merges (trained once a
+    process; it takes seconds)."""
+    return tuple(train_bpe([text for rel, text in stdlib_files() if not is_held_out(rel)], N_MERGES))
 
 
 def train_bpe(texts: list[str], n_merges: int) -> list[bytes]:
@@ -536,9 +546,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def build(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str], Corpus]:
     t0 = time.time()
-    files = stdlib_files()
-    train_texts = [text for rel, text in files if not is_held_out(rel)]
-    tokens = train_bpe(train_texts, N_MERGES)
+    tokens = list(training_tokens())
     config, _ = make_config("kimi_k3", DEMO, "bf16")
     tok_files, bos, eos = kimi_tokenizer(DEMO["vocab_size"], tokens)
     config.update(bos_token_id=bos, eos_token_id=eos, pad_token_id=DEMO["vocab_size"] - 1)
