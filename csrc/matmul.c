@@ -66,10 +66,19 @@ int ms_set_weight_streams(int n) {
     return 0;
 }
 
-int ms_weight_streams_for(int64_t x_bytes) {
+/* A thread's run of a product at least this long also takes four streams where the L1 is small: the output
+ * matrix of a model (Zen 3, the 8-layer Qwen3-30B-A3B-width pack's Q6_K 151936x2048, 255 MB, mapped from
+ * the pack, two threads; one stream against four in alternate calls, 20-24 pairs each: 1.12, 1.18 and 1.18x
+ * at the median, 1.20x on an anonymous copy), while the products below it kept one (an expert's 1-2 MB and
+ * the attention's 1-10 MB: 0.9-1.06x, inside the noise). */
+#define LONG_RUN_BYTES (32LL << 20)
+
+int ms_weight_streams_for(int64_t x_bytes, int64_t run_bytes) {
     if (weight_streams) return weight_streams;
-    return intel || (small_l1 && 8 * x_bytes > 3 * (int64_t)l1d_bytes) ? 4 : 1;
+    return intel || (small_l1 && (8 * x_bytes > 3 * (int64_t)l1d_bytes || run_bytes >= LONG_RUN_BYTES)) ? 4 : 1;
 }
+
+int64_t ms_long_run_bytes(void) { return LONG_RUN_BYTES; }
 
 /* q4_k's VNNI gemm: each vpdpwssd takes the lane sums of two vpdpbusd, paired by a shift and a word blend
  * (2), or of one, with the scales in the low int16 of each lane (1): on Intel, whose zmm shifts and blends

@@ -370,9 +370,9 @@ static PyObject *py_set_prefetch_level(PyObject *self, PyObject *args) {
 
 static PyObject *py_weight_streams_for(PyObject *self, PyObject *args) {
     (void)self;
-    long long x_bytes;
-    if (!PyArg_ParseTuple(args, "L", &x_bytes)) return NULL;
-    return PyLong_FromLong(ms_weight_streams_for(x_bytes));
+    long long x_bytes, run_bytes = 0;
+    if (!PyArg_ParseTuple(args, "L|L", &x_bytes, &run_bytes)) return NULL;
+    return PyLong_FromLong(ms_weight_streams_for(x_bytes, run_bytes));
 }
 
 static PyObject *py_prefetch_into_l2(PyObject *self, PyObject *args) {
@@ -821,7 +821,8 @@ static PyMethodDef methods[] = {
      "0: one on Intel, two elsewhere (the default; the same bits either way)"},
     {"get_q4k_pairs", py_get_q4k_pairs, METH_NOARGS, "(the setting of set_q4k_pairs, the number in use)"},
     {"weight_streams_for", py_weight_streams_for, METH_VARARGS,
-     "weight_streams_for(x_bytes): the streams of a product whose token's prepared activations take x_bytes"},
+     "weight_streams_for(x_bytes, run_bytes=0): the streams of a product whose token's prepared activations take "
+     "x_bytes, for a thread's run of run_bytes of its weights"},
     {"set_prefetch_level", py_set_prefetch_level, METH_VARARGS,
      "set_prefetch_level(level): 1, the decode kernels prefetch into L1; 2, those prefetches that reach past a "
      "quarter of the L1 go into L2 (the same bits)"},
@@ -840,5 +841,10 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "moestream._C", "m
 
 PyMODINIT_FUNC PyInit__C(void) {
     ms_init();
-    return PyModule_Create(&moduledef);
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m != NULL && PyModule_AddObject(m, "LONG_RUN_BYTES", PyLong_FromLongLong(ms_long_run_bytes())) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -223,7 +223,8 @@ VNNI_OR_AVX2(int4)
 /* int4 decode over a run of rows; without VNNI the AVX2 kernel tile by tile. */
 void ms_rows_int4_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     if (ms_use_vnni())
-        int4_decode(m, row0, nrows, xp, out, ms_weight_streams_for((m->cols / 32) * MS_INT4X_BYTES) == 4);
+        int4_decode(m, row0, nrows, xp, out,
+                    ms_weight_streams_for((m->cols / 32) * MS_INT4X_BYTES, nrows * m->row_bytes) == 4);
     else
         by_tiles(ms_dot4_int4_avx2, m, row0, nrows, xp, out);
 }
@@ -351,7 +352,9 @@ static VNNI void q8_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
  * ahead; each row's sum the one-stream kernel's. */
 static VNNI void q8_0_rows_vnni(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     const ms_q8_0x *x = (const ms_q8_0x *)xp;
-    const int64_t nb = m->cols / 32, q = ms_weight_streams_for(nb * (int64_t)sizeof(ms_q8_0x)) == 4 ? nrows / 4 : 0;
+    const int64_t nb = m->cols / 32;
+    const int streams = ms_weight_streams_for(nb * (int64_t)sizeof(ms_q8_0x), nrows * m->row_bytes);
+    const int64_t q = streams == 4 ? nrows / 4 : 0;
     for (int64_t i = 0; i < q; i++) {
         const uint8_t *w[4];
         __m512 acc[4];

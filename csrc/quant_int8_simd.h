@@ -156,7 +156,8 @@ static inline __attribute__((always_inline)) void rows_streams(const ms_matrix *
                                                                const char *xp, float *out, int bytes, int x_bytes,
                                                                int64_t ahead, block_fn block, finish_fn finish,
                                                                const void *consts) {
-    const int64_t nb = m->cols / 256, q = ms_weight_streams_for(nb * x_bytes) == 4 ? nrows / 4 : 0;
+    const int64_t nb = m->cols / 256;
+    const int64_t q = ms_weight_streams_for(nb * x_bytes, nrows * m->row_bytes) == 4 ? nrows / 4 : 0;
     for (int64_t i = 0; i < q; i++) {
         const uint8_t *w[4];
         row_lanes a[4];

@@ -176,7 +176,7 @@ static inline __attribute__((always_inline)) MX_TARGET void mxfp4_tile(const ms_
  * placement, none with random offsets). Narrower rows lose by it (harness: 7168x2048 -7%, 3584x3072
  * -10%) and run tile by tile. Each row's arithmetic is the same whatever the rows beside it, so the bits
  * are those of a tile alone. With l2 the prefetches go to L2 (ms_prefetch_into_l2).
- * With four weight streams (ms_weight_streams_for: Intel, and a small L1 for wide rows), the run is taken
+ * With four weight streams (ms_weight_streams_for: Intel, and a small L1 for wide rows or long runs), the run is taken
  * as four runs of consecutive rows, a row of each four at a time, each row prefetched on its own line
  * MX_STREAM_AHEAD bytes on, as the q4_k, q6_k, q8_0 and int4 kernels read on Intel: Xeon (L1d 48 KB),
  * in-process A/B against four adjacent rows a tile, one / two threads from memory: 4096x14336 1.41 / 1.27x,
@@ -189,7 +189,7 @@ static inline __attribute__((always_inline)) MX_TARGET void mx_decode(const ms_m
                                                                  const int l2) {
     const int64_t nb = m->cols / 32;
     int64_t r = 0;
-    if (ms_weight_streams_for(nb * MS_MXFP4X_BYTES) == 4 && nrows >= 4) {
+    if (ms_weight_streams_for(nb * MS_MXFP4X_BYTES, nrows * m->row_bytes) == 4 && nrows >= 4) {
         ms_mxfp4x x = ms_mxfp4x_at(xp, nb);
         int32_t nan_bits;
         const __m512i ulut = mx_consts(&nan_bits);

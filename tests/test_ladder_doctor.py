@@ -74,7 +74,10 @@ def test_doctor_reports_the_machine_and_recommends_a_preset(k3_pack):
     out = p.stdout
     assert "cores" in out and "scalar" in out
     narrow, wide, level = _C.weight_streams_for(0), _C.weight_streams_for(1 << 20), _C.get_prefetch_level()
-    streams = f"{narrow}" if narrow == wide else f"{narrow} (narrow rows) or {wide} (wide rows)"
+    long = _C.weight_streams_for(0, _C.LONG_RUN_BYTES)
+    streams = f"{narrow}" if narrow == wide == long else f"{narrow} (narrow rows) or {wide} (wide rows)"
+    if long != narrow:
+        streams += f", {long} for a run of {_C.LONG_RUN_BYTES >> 20} MB or more"
     far = "far ones into L2" if level == 2 else "all into L1"
     assert (
         f"decode kernels: L1d {_C.l1d_bytes() // 1024} KB; weight streams a thread {streams}; prefetches {far}" in out

@@ -107,6 +107,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "l1d_bytes": _C.l1d_bytes(),
         "narrow_row_streams": _C.weight_streams_for(0),
         "wide_row_streams": _C.weight_streams_for(1 << 20),
+        "long_run_streams": _C.weight_streams_for(0, _C.LONG_RUN_BYTES),
         "prefetch_level": _C.get_prefetch_level(),
         "mem_total": planner.meminfo("MemTotal"),
         "mem_available": planner.mem_available(),
@@ -145,8 +146,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         f"cpu: {facts['cpu']}, {threads} cores; kernel paths {', '.join(facts['simd'])} (using {facts['kernel_path']})"
     )
     l1 = f"L1d {facts['l1d_bytes'] // 1024} KB" if facts["l1d_bytes"] else "L1d size unknown"
-    narrow, wide = facts["narrow_row_streams"], facts["wide_row_streams"]
-    streams = f"{narrow}" if narrow == wide else f"{narrow} (narrow rows) or {wide} (wide rows)"
+    narrow, wide, long = facts["narrow_row_streams"], facts["wide_row_streams"], facts["long_run_streams"]
+    streams = f"{narrow}" if narrow == wide == long else f"{narrow} (narrow rows) or {wide} (wide rows)"
+    if long != narrow:
+        streams += f", {long} for a run of {_C.LONG_RUN_BYTES >> 20} MB or more"
     far = "far ones into L2" if facts["prefetch_level"] == 2 else "all into L1"
     print(f"decode kernels: {l1}; weight streams a thread {streams}; prefetches {far}")
     limit = facts["cgroup_limit"]
