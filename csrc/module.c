@@ -842,7 +842,7 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "moestream._C", "m
 PyMODINIT_FUNC PyInit__C(void) {
     ms_init();
     PyObject *m = PyModule_Create(&moduledef);
-    if (m != NULL && PyModule_AddObject(m, "LONG_RUN_BYTES", PyLong_FromLongLong(ms_long_run_bytes())) < 0) {
+    if (m != NULL && PyModule_AddIntConstant(m, "LONG_RUN_BYTES", (long)ms_long_run_bytes()) < 0) {
         Py_DECREF(m);
         return NULL;
     }
