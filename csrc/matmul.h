@@ -26,8 +26,8 @@ int ms_set_level(ms_level level); /* 0 on success, -1 if this CPU lacks it */
 /* How many runs of rows a thread's decode kernels read at once, block by block in turn, where a format has
  * such a kernel (1 or 4; the same bits either way), for a token whose prepared activations take x_bytes
  * and a run of run_bytes of weights: as set, or automatically (the default, setting 0) 4 on Intel CPUs and,
- * where the L1 data cache is smaller than 48 KB, for activations of more than 3/8 of it or a run of
- * ms_long_run_bytes() or more; else 1. */
+ * where the L1 data cache is smaller than 48 KB, for the AVX2 kernels, and for the others for activations of
+ * more than 3/8 of it or a run of ms_long_run_bytes() or more; else 1. */
 int ms_weight_streams_for(int64_t x_bytes, int64_t run_bytes);
 int64_t ms_long_run_bytes(void);
 int ms_weight_streams(void);      /* the setting: 0 automatic, 1 or 4 */

@@ -15,7 +15,7 @@ import pytest
 import moestream
 from moestream import _C
 from moestream.console import LiveStatus, prefill_progress
-from moestream.doctor import blas_advice, blas_facts
+from moestream.doctor import blas_advice, blas_facts, streams_text
 from moestream.formats.packed import pack
 from moestream.synth import synth
 from test_cli import assert_user_error, cli
@@ -68,16 +68,21 @@ def test_bench_refuses_what_it_cannot_run(tmp_path, k3_pack):
     assert_user_error(cli("bench", str(k3_pack), "--ram", "1G", "--plot", str(tmp_path / "x" / "p.png")), "--plot")
 
 
+def test_streams_text_names_only_the_cases_that_differ():
+    mb = _C.LONG_RUN_BYTES >> 20
+    assert streams_text(4, 4, 4) == "4" and streams_text(1, 1, 1) == "1"
+    assert streams_text(1, 4, 4) == f"1 for narrow rows, 4 for wide rows, 4 for a run of {mb} MB or more"
+    assert streams_text(1, 1, 4) == f"1 for narrow rows, 4 for a run of {mb} MB or more"
+    assert streams_text(1, 4, 1) == "1 for narrow rows, 4 for wide rows"
+
+
 def test_doctor_reports_the_machine_and_recommends_a_preset(k3_pack):
     p = cli("doctor", str(k3_pack), "--seconds", "0.3")
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "cores" in out and "scalar" in out
     narrow, wide, level = _C.weight_streams_for(0), _C.weight_streams_for(1 << 20), _C.get_prefetch_level()
-    long = _C.weight_streams_for(0, _C.LONG_RUN_BYTES)
-    streams = f"{narrow}" if narrow == wide == long else f"{narrow} (narrow rows) or {wide} (wide rows)"
-    if long != narrow:
-        streams += f", {long} for a run of {_C.LONG_RUN_BYTES >> 20} MB or more"
+    streams = streams_text(narrow, wide, _C.weight_streams_for(0, _C.LONG_RUN_BYTES))
     far = "far ones into L2" if level == 2 else "all into L1"
     assert (
         f"decode kernels: L1d {_C.l1d_bytes() // 1024} KB; weight streams a thread {streams}; prefetches {far}" in out

@@ -117,6 +117,19 @@ def machine_facts(threads: int) -> dict[str, Any]:
     }
 
 
+def streams_text(narrow: int, wide: int, long: int) -> str:
+    """The weight streams of the decode kernels in words: one number when every product takes it, else what
+    a narrow row takes and where wide rows or a long run take another."""
+    if narrow == wide == long:
+        return f"{narrow}"
+    text = f"{narrow} for narrow rows"
+    if wide != narrow:
+        text += f", {wide} for wide rows"
+    if long != narrow:
+        text += f", {long} for a run of {_C.LONG_RUN_BYTES >> 20} MB or more"
+    return text
+
+
 def _gb(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -146,10 +159,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         f"cpu: {facts['cpu']}, {threads} cores; kernel paths {', '.join(facts['simd'])} (using {facts['kernel_path']})"
     )
     l1 = f"L1d {facts['l1d_bytes'] // 1024} KB" if facts["l1d_bytes"] else "L1d size unknown"
-    narrow, wide, long = facts["narrow_row_streams"], facts["wide_row_streams"], facts["long_run_streams"]
-    streams = f"{narrow}" if narrow == wide == long else f"{narrow} (narrow rows) or {wide} (wide rows)"
-    if long != narrow:
-        streams += f", {long} for a run of {_C.LONG_RUN_BYTES >> 20} MB or more"
+    streams = streams_text(facts["narrow_row_streams"], facts["wide_row_streams"], facts["long_run_streams"])
     far = "far ones into L2" if facts["prefetch_level"] == 2 else "all into L1"
     print(f"decode kernels: {l1}; weight streams a thread {streams}; prefetches {far}")
     limit = facts["cgroup_limit"]
