@@ -20,8 +20,12 @@ Python for all of them.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
+import os
+import shutil
 import statistics
+import tempfile
 from types import ModuleType
 
 import numpy as np
@@ -31,8 +35,18 @@ from kernels import SHAPES, copies, make
 from moestream.quant import Weight
 
 
-def load_build(path: str) -> ModuleType:
-    """The extension module at path, loaded as moestream._C under its own copy of the library's state."""
+def load_build(path: str, loaded: set[str]) -> ModuleType:
+    """The extension module at path, loaded as moestream._C under its own copy of the library's state. The
+    dynamic loader hands out one library per file, so a path given again is loaded from a copy: else the two
+    builds would share one state and one build's settings would be the other's."""
+    real = os.path.realpath(path)
+    if real in loaded:
+        fd, copy = tempfile.mkstemp(suffix=".so")
+        os.close(fd)
+        shutil.copyfile(real, copy)
+        atexit.register(os.unlink, copy)
+        path = copy
+    loaded.add(real)
     spec = importlib.util.spec_from_file_location("moestream._C", path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"{path}: not a loadable extension module")
@@ -91,7 +105,8 @@ def main() -> None:
     ap.add_argument("--weight-streams")
     ap.add_argument("--prefetch-level")
     args = ap.parse_args()
-    builds = [load_build(p) for p in args.builds]
+    loaded: set[str] = set()
+    builds = [load_build(p, loaded) for p in args.builds]
     n = len(builds)
     settings = zip(
         per_build(args.isa, n, "isa"),
