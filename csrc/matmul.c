@@ -69,8 +69,8 @@ int ms_set_weight_streams(int n) {
 /* A thread's run of a product at least this long also takes four streams where the L1 is small: the output
  * matrix of a model (Zen 3, the 8-layer Qwen3-30B-A3B-width pack's Q6_K 151936x2048, 255 MB, mapped from
  * the pack, two threads; one stream against four in alternate calls, 20-24 pairs each: 1.12, 1.18 and 1.18x
- * at the median, 1.20x on an anonymous copy), while the products below it kept one (an expert's 1-2 MB and
- * the attention's 1-10 MB: 0.9-1.06x, inside the noise). */
+ * at the median, 1.20x on an anonymous copy). Measured with the AVX2 kernels, which now take four at every
+ * length (below); for the AVX-512 ones on a small L1 (Zen 4) it is not measured. */
 #define LONG_RUN_BYTES (32LL << 20)
 
 /* The AVX2 kernels (q4_k and q6_k read in streams) take four at every width where the L1 is small: Zen 3
