@@ -1,7 +1,8 @@
 /* Decode attention for grouped-query models (see attention.h). The scalar loops are the definition;
- * the AVX2 and AVX-512 versions of the two hot loops do the same multiplies and adds in the same order
- * (scores: 16 lanes, then a fixed tree; p V: each output column summed over positions in order), with
- * no fused multiply-adds anywhere (-ffp-contract=off), so the bits do not depend on the instruction set. */
+ * the AVX2 and AVX-512 versions of the three hot loops do the same operations in the same order
+ * (scores: 16 lanes, then a fixed tree; the softmax's exp: exp_f32.h; p V: each output column summed over
+ * positions in order), with no fused multiply-adds anywhere (-ffp-contract=off), so the bits do not
+ * depend on the instruction set. */
 #include "attention.h"
 
 #include <immintrin.h>
@@ -9,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_f32.h"
 #include "matmul.h"
 #include "norm.h"
 #include "rope.h"
@@ -112,6 +114,44 @@ __attribute__((target("avx2"))) static void scores_avx2(const float *q, const fl
     }
 }
 
+/* scores_avx2 for two heads (queries q0, q1) against the same keys, two positions at a time: each key
+ * vector loaded once for both heads (the single-head loop is bound by its loads); every score has the
+ * operations of scores_avx2 in its order. */
+__attribute__((target("avx2"))) static void scores2_avx2(const float *q0, const float *q1, const float *K, int64_t S,
+                                                         int D, float scaling, float *p0, float *p1) {
+    if (D % LANES != 0) {
+        scores_scalar(q0, K, S, D, scaling, p0);
+        scores_scalar(q1, K, S, D, scaling, p1);
+        return;
+    }
+    int64_t s = 0;
+    for (; s + 2 <= S; s += 2) {
+        const float *k = K + s * D;
+        __m256 a[2][2][2]; /* [head][position][lanes 0..7, 8..15] */
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < 2; r++) a[h][r][0] = a[h][r][1] = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += LANES) {
+            const __m256 x00 = _mm256_loadu_ps(q0 + i), x01 = _mm256_loadu_ps(q0 + i + 8);
+            const __m256 x10 = _mm256_loadu_ps(q1 + i), x11 = _mm256_loadu_ps(q1 + i + 8);
+            for (int r = 0; r < 2; r++) {
+                const __m256 k0 = _mm256_loadu_ps(k + r * D + i), k1 = _mm256_loadu_ps(k + r * D + i + 8);
+                a[0][r][0] = _mm256_add_ps(a[0][r][0], _mm256_mul_ps(x00, k0));
+                a[0][r][1] = _mm256_add_ps(a[0][r][1], _mm256_mul_ps(x01, k1));
+                a[1][r][0] = _mm256_add_ps(a[1][r][0], _mm256_mul_ps(x10, k0));
+                a[1][r][1] = _mm256_add_ps(a[1][r][1], _mm256_mul_ps(x11, k1));
+            }
+        }
+        for (int r = 0; r < 2; r++) {
+            p0[s + r] = reduce8_avx2(_mm256_add_ps(a[0][r][0], a[0][r][1])) * scaling;
+            p1[s + r] = reduce8_avx2(_mm256_add_ps(a[1][r][0], a[1][r][1])) * scaling;
+        }
+    }
+    if (s < S) {
+        scores_avx2(q0, K + s * D, S - s, D, scaling, p0 + s);
+        scores_avx2(q1, K + s * D, S - s, D, scaling, p1 + s);
+    }
+}
+
 __attribute__((target("avx2"))) static void pv_avx2(const float *p, const float *V, int64_t S, int D, float *o) {
     int d = 0;
     for (; d + 64 <= D; d += 64) {
@@ -188,8 +228,37 @@ __attribute__((target("avx512f"))) static void pv_avx512(const float *p, const f
     pv_columns(p, V, S, D, d, o);
 }
 
+/* p[s] = exp(p[s] - m) for s < S, ms_exp_f32's bits on every instruction set */
+static void exp_shifted_scalar(float *p, int64_t S, float m) {
+    for (int64_t s = 0; s < S; s++) p[s] = ms_exp_f32(p[s] - m);
+}
+
+__attribute__((target("avx2"))) static void exp_shifted_avx2(float *p, int64_t S, float m) {
+    int64_t s = 0;
+    for (const __m256 mv = _mm256_set1_ps(m); s + 8 <= S; s += 8)
+        _mm256_storeu_ps(p + s, ms_exp_f32_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + s), mv)));
+    exp_shifted_scalar(p + s, S - s, m);
+}
+
+__attribute__((target("avx512f"))) static void exp_shifted_avx512(float *p, int64_t S, float m) {
+    int64_t s = 0;
+    for (const __m512 mv = _mm512_set1_ps(m); s + 16 <= S; s += 16)
+        _mm512_storeu_ps(p + s, ms_exp_f32_avx512(_mm512_sub_ps(_mm512_loadu_ps(p + s), mv)));
+    exp_shifted_avx2(p + s, S - s, m);
+}
+
+void ms_exp_shifted(float *p, int64_t S, float m) {
+    if (ms_get_isa() == MS_ISA_AVX512)
+        exp_shifted_avx512(p, S, m);
+    else if (ms_get_isa() == MS_ISA_AVX2)
+        exp_shifted_avx2(p, S, m);
+    else
+        exp_shifted_scalar(p, S, m);
+}
+
 typedef void (*scores_fn)(const float *q, const float *K, int64_t S, int D, float scaling, float *p);
 typedef void (*pv_fn)(const float *p, const float *V, int64_t S, int D, float *o);
+typedef void (*exp_fn)(float *p, int64_t S, float m);
 
 typedef struct {
     const ms_gqa_decode_args *a;
@@ -210,12 +279,17 @@ static void heads_task(void *ctx, int ith, int nth) {
     float *qs = j->work + ith * j->work_stride, *sq = qs + (int64_t)rep * D, *ps = sq + D;
     scores_fn scores = scores_scalar;
     pv_fn pv = pv_scalar;
+    exp_fn expo = exp_shifted_scalar;
+    int pair = 0; /* scores2_avx2 for pairs of heads */
     if (ms_get_isa() == MS_ISA_AVX512) {
         scores = scores_avx512;
         pv = pv_avx512;
+        expo = exp_shifted_avx512;
     } else if (ms_get_isa() == MS_ISA_AVX2) {
         scores = scores_avx2;
         pv = pv_avx2;
+        expo = exp_shifted_avx2;
+        pair = 1;
     }
     for (int g0 = h0; g0 < h1;) {
         const int64_t kv = g0 / rep;
@@ -224,12 +298,17 @@ static void heads_task(void *ctx, int ith, int nth) {
         for (int i = 0; i < nh; i++) norm_rope(a->q + (int64_t)(g0 + i) * D, a, a->q_norm, sq, qs + i * D);
         for (int64_t s0 = 0; s0 < S; s0 += block) {
             const int64_t n = S - s0 < block ? S - s0 : block;
-            for (int i = 0; i < nh; i++) scores(qs + i * D, K + s0 * D, n, D, a->scaling, ps + i * S + s0);
+            int i = 0;
+            if (pair) /* two heads at a time */
+                for (; i + 2 <= nh; i += 2)
+                    scores2_avx2(qs + i * D, qs + (i + 1) * D, K + s0 * D, n, D, a->scaling, ps + i * S + s0,
+                                 ps + (i + 1) * S + s0);
+            for (; i < nh; i++) scores(qs + i * D, K + s0 * D, n, D, a->scaling, ps + i * S + s0);
         }
         for (int i = 0; i < nh; i++) {
             float *p = ps + i * S, m = -INFINITY;
             for (int64_t s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
-            for (int64_t s = 0; s < S; s++) p[s] = expf(p[s] - m);
+            expo(p, S, m);
             const float total = lane_sum(p, S);
             for (int64_t s = 0; s < S; s++) p[s] = p[s] / total;
             memset(a->out + (int64_t)(g0 + i) * D, 0, (size_t)D * sizeof(float));

@@ -534,6 +534,20 @@ done:
     return ret;
 }
 
+static PyObject *py_exp_shifted(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    float m;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "Of", &obj, &m)) return NULL;
+    if (get_f32(obj, &b, 1, "p") < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ms_exp_shifted((float *)b.buf, b.len / (Py_ssize_t)sizeof(float), m);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *x_obj, *w_obj, *out_obj;
@@ -786,6 +800,8 @@ static PyMethodDef methods[] = {
     {"gqa_decode", py_gqa_decode, METH_VARARGS,
      "gqa_decode(q, k, v, kcache, vcache, pos, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, "
      "interleave, scaling, window, out, threads): one token's attention, its key and value written at pos"},
+    {"exp_shifted", py_exp_shifted, METH_VARARGS,
+     "exp_shifted(p, m): p = exp(p - m) in place (float32), as decode attention's softmax takes it (csrc/exp_f32.h)"},
     {"rope", py_rope, METH_VARARGS,
      "rope(x, cos, sin, T, heads, D, interleave, out): rotary embedding of x [T, heads, D] by cos, sin [T, D/2], "
      "numpy's float32 steps (csrc/rope.h)"},

@@ -200,8 +200,9 @@ def test_unaligned_weights_are_taken():
 
 
 @pytest.mark.parametrize("D", [36, 64, 80, 128, 256])
-def test_same_bits_on_every_isa_and_thread_count(D):
-    attn, rng = make_attention(8, 2, D, True)
+@pytest.mark.parametrize("H,KV", [(8, 2), (6, 2)])  # 6 / 2: a pair of heads and one alone in each group (AVX2)
+def test_same_bits_on_every_isa_and_thread_count(D, H, KV):
+    attn, rng = make_attention(H, KV, D, True)
     x = rng.standard_normal((1, 48)).astype(np.float32)
     q, k, v = attn.q(x, Ctx()), attn.k(x, Ctx()), attn.v(x, Ctx())
     results = {}
@@ -465,3 +466,39 @@ def test_mla_decode_with_fp8_kv_b_proj(nope, v_dim, monkeypatch):
         monkeypatch.setattr(MLAttention, "direct", property(lambda self: False))  # the f32 copies instead
         copies = attn(x, cache, Ctx())
         assert np.abs(direct - copies).max() <= 1e-5 * np.abs(copies).max()
+
+
+def test_softmax_exp_within_an_ulp_with_the_same_bits_on_every_isa():
+    """The decode softmax's exp (csrc/exp_f32.h) against float64, on a sweep of its range, with the limits
+    it states; every instruction set gives the scalar path's bits."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate(
+        [np.linspace(-87.3, 88.3, 1_000_001, dtype=np.float32), -30 * rng.random(200_000, dtype=np.float32)]
+    )
+    special = np.array([0.0, -0.0, -np.inf, np.inf, np.nan, -87.31, -100.0, 88.31, 1e3, -1e-30], np.float32)
+    results = {}
+    before = _C.get_isa()
+    try:
+        for isa in _C.supported_isas():
+            _C.set_isa(isa)
+            p, q = x.copy(), special.copy()
+            _C.exp_shifted(p, 0.0)
+            _C.exp_shifted(q, 0.0)
+            results[isa] = p.tobytes() + q.tobytes()
+    finally:
+        _C.set_isa(before)
+    assert len(set(results.values())) == 1, list(results)
+    p = x.copy()
+    _C.exp_shifted(p, 0.0)
+    ref = np.exp(x.astype(np.float64))
+    ulp = np.abs(p - ref) / np.spacing(ref.astype(np.float32)).astype(np.float64)
+    assert ulp.max() <= 1.0
+    q = special.copy()
+    _C.exp_shifted(q, 0.0)
+    assert q[:2].tolist() == [1.0, 1.0] and q[2] == 0.0 and q[3] == np.inf and np.isnan(q[4])
+    assert q[5:7].tolist() == [0.0, 0.0] and q[7:9].tolist() == [np.inf, np.inf] and q[9] == 1.0
+    shifted = x[:1000] + np.float32(3.0)  # exp(p - m): the shift taken off in float32 first
+    _C.exp_shifted(shifted, 3.0)
+    expect = (x[:1000] + np.float32(3.0)) - np.float32(3.0)
+    _C.exp_shifted(expect, 0.0)
+    assert shifted.tobytes() == expect.tobytes()
