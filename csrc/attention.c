@@ -258,7 +258,6 @@ void ms_exp_shifted(float *p, int64_t S, float m) {
 
 typedef void (*scores_fn)(const float *q, const float *K, int64_t S, int D, float scaling, float *p);
 typedef void (*pv_fn)(const float *p, const float *V, int64_t S, int D, float *o);
-typedef void (*exp_fn)(float *p, int64_t S, float m);
 
 typedef struct {
     const ms_gqa_decode_args *a;
@@ -279,16 +278,13 @@ static void heads_task(void *ctx, int ith, int nth) {
     float *qs = j->work + ith * j->work_stride, *sq = qs + (int64_t)rep * D, *ps = sq + D;
     scores_fn scores = scores_scalar;
     pv_fn pv = pv_scalar;
-    exp_fn expo = exp_shifted_scalar;
     int pair = 0; /* scores2_avx2 for pairs of heads */
     if (ms_get_isa() == MS_ISA_AVX512) {
         scores = scores_avx512;
         pv = pv_avx512;
-        expo = exp_shifted_avx512;
     } else if (ms_get_isa() == MS_ISA_AVX2) {
         scores = scores_avx2;
         pv = pv_avx2;
-        expo = exp_shifted_avx2;
         pair = 1;
     }
     for (int g0 = h0; g0 < h1;) {
@@ -308,7 +304,7 @@ static void heads_task(void *ctx, int ith, int nth) {
         for (int i = 0; i < nh; i++) {
             float *p = ps + i * S, m = -INFINITY;
             for (int64_t s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
-            expo(p, S, m);
+            ms_exp_shifted(p, S, m);
             const float total = lane_sum(p, S);
             for (int64_t s = 0; s < S; s++) p[s] = p[s] / total;
             memset(a->out + (int64_t)(g0 + i) * D, 0, (size_t)D * sizeof(float));
