@@ -9,6 +9,8 @@ SOURCES = [
     "csrc/kda.c",
     "csrc/combine_rows.c",
     "csrc/moe_combine.c",
+    "csrc/moe_decode.c",
+    "csrc/activations.c",
     "csrc/norm.c",
     "csrc/rope.c",
     "csrc/io.c",
@@ -31,7 +33,9 @@ setup(
             "moestream._C",
             sources=SOURCES,
             depends=[
+                "csrc/activations.h",
                 "csrc/attention.h",
+                "csrc/exp_f32.h",
                 "csrc/gemm_f32.h",
                 "csrc/kda.h",
                 "csrc/norm.h",

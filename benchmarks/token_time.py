@@ -1,7 +1,7 @@
 """Where a decode token's time goes: every function of the C extension (moestream._C) is timed while a
 model decodes, and the table gives each one's milliseconds and calls a token, beside the time outside all of
 them (the Python and numpy glue between the kernels). With --stub-products the matvec products (`matmul`,
-`matmul_many`) return at once without touching their outputs, so the glue runs with warm caches: the
+`matmul_many`, `glu_experts`) return at once without touching their outputs, so the glue runs with warm caches: the
 difference between the two runs is what the streamed weights cost the glue by evicting it.
 
     python3 benchmarks/token_time.py [MODEL] [--threads 2] [--prompt 128] [--gen 32] [--rounds 3]
@@ -31,7 +31,7 @@ from common import commit, machine, table
 from moestream import _C
 
 DEFAULT = Path("/tmp/moestream-bench/qwen3-30b-a3b-L8-q4_k_m")
-PRODUCTS = ("matmul", "matmul_many")
+PRODUCTS = ("matmul", "matmul_many", "glu_experts")
 
 
 def instrument(stub: bool) -> tuple[Counter[str], Counter[str]]:

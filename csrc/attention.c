@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "activations.h"
 #include "exp_f32.h"
 #include "matmul.h"
 #include "norm.h"
@@ -226,34 +227,6 @@ __attribute__((target("avx512f"))) static void pv_avx512(const float *p, const f
         _mm512_storeu_ps(o + d, a);
     }
     pv_columns(p, V, S, D, d, o);
-}
-
-/* p[s] = exp(p[s] - m) for s < S, ms_exp_f32's bits on every instruction set */
-static void exp_shifted_scalar(float *p, int64_t S, float m) {
-    for (int64_t s = 0; s < S; s++) p[s] = ms_exp_f32(p[s] - m);
-}
-
-__attribute__((target("avx2"))) static void exp_shifted_avx2(float *p, int64_t S, float m) {
-    int64_t s = 0;
-    for (const __m256 mv = _mm256_set1_ps(m); s + 8 <= S; s += 8)
-        _mm256_storeu_ps(p + s, ms_exp_f32_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + s), mv)));
-    exp_shifted_scalar(p + s, S - s, m);
-}
-
-__attribute__((target("avx512f"))) static void exp_shifted_avx512(float *p, int64_t S, float m) {
-    int64_t s = 0;
-    for (const __m512 mv = _mm512_set1_ps(m); s + 16 <= S; s += 16)
-        _mm512_storeu_ps(p + s, ms_exp_f32_avx512(_mm512_sub_ps(_mm512_loadu_ps(p + s), mv)));
-    exp_shifted_avx2(p + s, S - s, m);
-}
-
-void ms_exp_shifted(float *p, int64_t S, float m) {
-    if (ms_get_isa() == MS_ISA_AVX512)
-        exp_shifted_avx512(p, S, m);
-    else if (ms_get_isa() == MS_ISA_AVX2)
-        exp_shifted_avx2(p, S, m);
-    else
-        exp_shifted_scalar(p, S, m);
 }
 
 typedef void (*scores_fn)(const float *q, const float *K, int64_t S, int D, float scaling, float *p);

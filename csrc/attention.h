@@ -26,8 +26,4 @@ typedef struct {
  * heads. 0, or -1 when scratch memory cannot be allocated. */
 int ms_gqa_decode(const ms_gqa_decode_args *a, int nthreads);
 
-/* p[s] = exp(p[s] - m) for s < S, as the softmax of ms_gqa_decode takes it (exp_f32.h: the same bits on
- * every instruction set) */
-void ms_exp_shifted(float *p, int64_t S, float m);
-
 #endif

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <time.h>
 
+#include "activations.h"
 #include "attention.h"
 #include "gemm_f32.h"
 #include "kda.h"
@@ -548,6 +549,183 @@ static PyObject *py_exp_shifted(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* silu_mul(g, u, h, threads): h = silu(g) * u elementwise (float32, h may be g or u) */
+static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj[3];
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOi", &obj[0], &obj[1], &obj[2], &threads)) return NULL;
+    Py_buffer b[3];
+    static const char *names[3] = {"g", "u", "h"};
+    int held = 0;
+    PyObject *ret = NULL;
+    for (; held < 3; held++)
+        if (get_f32(obj[held], &b[held], held == 2, names[held]) < 0) goto done;
+    if (b[1].len != b[0].len || b[2].len != b[0].len) {
+        PyErr_Format(PyExc_ValueError, "silu_mul: g of %zd bytes, u of %zd, h of %zd do not add up", b[0].len,
+                     b[1].len, b[2].len);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ms_silu_mul(b[0].buf, b[1].buf, b[2].buf, b[0].len / (Py_ssize_t)sizeof(float), threads);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&b[i]);
+    return ret;
+}
+
+/* softmax_topk(logits [T, n], k, renormalize, idx int64 [T, k], w [T, k]) */
+static PyObject *py_softmax_topk(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj[3];
+    long long n;
+    int k, renormalize;
+    if (!PyArg_ParseTuple(args, "OLipOO", &obj[0], &n, &k, &renormalize, &obj[1], &obj[2])) return NULL;
+    Py_buffer logits, idx, w;
+    PyObject *ret = NULL;
+    if (get_f32(obj[0], &logits, 0, "logits") < 0) return NULL;
+    if (PyObject_GetBuffer(obj[1], &idx, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) goto release_logits;
+    const char *f = idx.format ? idx.format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+    if ((strcmp(f, "q") != 0 && strcmp(f, "l") != 0) || idx.itemsize != 8 || (uintptr_t)idx.buf % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError, "softmax_topk: idx must be aligned int64");
+        goto release_idx;
+    }
+    if (get_f32(obj[2], &w, 1, "w") < 0) goto release_idx;
+    const long long T = n > 0 ? logits.len / 4 / n : 0;
+    if (n <= 0 || k < 1 || k > n || logits.len != T * n * 4 || idx.len != T * k * 8 || w.len != T * k * 4) {
+        PyErr_Format(PyExc_ValueError,
+                     "softmax_topk: logits of %zd bytes, idx of %zd, w of %zd for %lld experts and k %d do not add up",
+                     logits.len, idx.len, w.len, n, k);
+        goto release_w;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ms_softmax_topk(logits.buf, T, n, k, renormalize, idx.buf, w.buf);
+    Py_END_ALLOW_THREADS
+    ret = none_unless_out_of_memory(rc);
+release_w:
+    PyBuffer_Release(&w);
+release_idx:
+    PyBuffer_Release(&idx);
+release_logits:
+    PyBuffer_Release(&logits);
+    return ret;
+}
+
+/* The buffers of one matrix while a call runs. */
+typedef struct {
+    Py_buffer w, s;
+    int has_scales;
+} matrix_buffers;
+
+/* (fmt, w, scales, rows, cols) -> m with its sizes checked: 0 with the buffers held, or -1 with an exception
+ * set and nothing held. */
+static int parse_matrix(PyObject *item, ms_matrix *m, matrix_buffers *b) {
+    int fmt;
+    long long rows, cols;
+    PyObject *scales_obj;
+    if (!PyTuple_Check(item)) {
+        PyErr_SetString(PyExc_TypeError, "each matrix is a tuple (fmt, w, scales, rows, cols)");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(item, "iy*OLL", &fmt, &b->w, &scales_obj, &rows, &cols)) return -1;
+    b->has_scales = scales_obj != Py_None;
+    if (b->has_scales && PyObject_GetBuffer(scales_obj, &b->s, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&b->w);
+        return -1;
+    }
+    if (make_matrix(fmt, &b->w, &b->s, b->has_scales, rows, cols, m) == 0) return 0;
+    PyBuffer_Release(&b->w);
+    if (b->has_scales) PyBuffer_Release(&b->s);
+    return -1;
+}
+
+/* glu_experts([gate_0, up_0, down_0, gate_1, ...], x [cols], w [n] or None, out, threads), each matrix a tuple
+ * (fmt, w, scales, rows, cols): see ms_glu_experts_one_x */
+static PyObject *py_glu_experts(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq, *x_obj, *w_obj, *out_obj;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOi", &seq, &x_obj, &w_obj, &out_obj, &threads)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "glu_experts takes a sequence of matrices");
+    if (fast == NULL) return NULL;
+    const Py_ssize_t nm = PySequence_Fast_GET_SIZE(fast);
+    const int n = (int)(nm / 3);
+    ms_matrix *m = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof(ms_matrix));
+    ms_matrix *sorted = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof(ms_matrix));
+    matrix_buffers *b = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof(matrix_buffers));
+    Py_buffer x, w, out;
+    int has_x = 0, has_w = 0, has_out = 0;
+    Py_ssize_t held = 0;
+    PyObject *ret = NULL;
+    if (m == NULL || sorted == NULL || b == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (nm == 0 || nm % 3 != 0 || nm > 3 * 4096) {
+        PyErr_Format(PyExc_ValueError, "glu_experts: %zd matrices are not (gate, up, down) for 1 to 4096 experts", nm);
+        goto done;
+    }
+    for (; held < nm; held++)
+        if (parse_matrix(PySequence_Fast_GET_ITEM(fast, held), &m[held], &b[held]) < 0) goto done;
+    if (get_f32(x_obj, &x, 0, "x") < 0) goto done;
+    has_x = 1;
+    if (w_obj != Py_None) {
+        if (get_f32(w_obj, &w, 0, "w") < 0) goto done;
+        has_w = 1;
+    }
+    if (get_f32(out_obj, &out, 1, "out") < 0) goto done;
+    has_out = 1;
+    const int64_t cols = m[0].cols, inner = m[0].rows, width = m[2].rows;
+    for (int i = 0; i < n; i++) {
+        const ms_matrix *g = &m[3 * i], *u = &m[3 * i + 1], *d = &m[3 * i + 2];
+        if (g->rows != inner || u->rows != inner || g->cols != cols || u->cols != cols || d->cols != inner ||
+            d->rows != width) {
+            PyErr_Format(PyExc_ValueError,
+                         "glu_experts: expert %d is gate [%lld, %lld], up [%lld, %lld], down [%lld, %lld], not "
+                         "[%lld, %lld], [%lld, %lld], [%lld, %lld]",
+                         i, (long long)g->rows, (long long)g->cols, (long long)u->rows, (long long)u->cols,
+                         (long long)d->rows, (long long)d->cols, (long long)inner, (long long)cols,
+                         (long long)inner, (long long)cols, (long long)width, (long long)inner);
+            goto done;
+        }
+        sorted[i] = *g;
+        sorted[n + i] = *u;
+        sorted[2 * n + i] = *d;
+    }
+    const Py_ssize_t want_out = (has_w ? 1 : n) * width * (Py_ssize_t)sizeof(float);
+    if (x.len != cols * (Py_ssize_t)sizeof(float) || (has_w && w.len != n * (Py_ssize_t)sizeof(float)) ||
+        out.len != want_out) {
+        PyErr_Format(PyExc_ValueError,
+                     "glu_experts: x of %zd bytes, w of %zd, out of %zd for %d experts of [%lld -> %lld -> %lld] do "
+                     "not add up",
+                     x.len, has_w ? w.len : (Py_ssize_t)0, out.len, n, (long long)cols, (long long)inner,
+                     (long long)width);
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ms_glu_experts_one_x(sorted, sorted + n, sorted + 2 * n, n, x.buf, has_w ? w.buf : NULL, out.buf, threads);
+    Py_END_ALLOW_THREADS
+    ret = none_unless_out_of_memory(rc);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&b[i].w);
+        if (b[i].has_scales) PyBuffer_Release(&b[i].s);
+    }
+    if (has_x) PyBuffer_Release(&x);
+    if (has_w) PyBuffer_Release(&w);
+    if (has_out) PyBuffer_Release(&out);
+    PyMem_Free(m);
+    PyMem_Free(sorted);
+    PyMem_Free(b);
+    Py_DECREF(fast);
+    return ret;
+}
+
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *x_obj, *w_obj, *out_obj;
@@ -820,6 +998,16 @@ static PyMethodDef methods[] = {
     {"kda_recurrence", py_kda_recurrence, METH_VARARGS,
      "kda_recurrence(S, q, k, v, alpha, beta, out, T, H, D, threads): Kimi Delta Attention's delta rule over T "
      "tokens, state S [H, D, D] updated in place, out [T, H, D] (csrc/kda.h)"},
+    {"silu_mul", py_silu_mul, METH_VARARGS,
+     "silu_mul(g, u, h, threads): h = g / (1 + exp(-g)) * u elementwise (float32; exp_f32.h, the same bits on "
+     "every instruction set)"},
+    {"softmax_topk", py_softmax_topk, METH_VARARGS,
+     "softmax_topk(logits, n, k, renormalize, idx, w): per row of logits [T, n], the k largest of its softmax "
+     "(ties to the lower index) into idx int64 [T, k] and their probabilities into w [T, k] (csrc/activations.h)"},
+    {"glu_experts", py_glu_experts, METH_VARARGS,
+     "glu_experts([gate_0, up_0, down_0, ...], x, w, out, threads): one token through n SwiGLU experts, each "
+     "matrix (fmt, w, scales, rows, cols); out [width] = sum of w[i] * expert_i(x), or out [n, width] when w "
+     "is None (csrc/matmul.h)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, w, eps, out): out = w * x / sqrt(mean(x^2) + eps) per row of len(w), numpy's float32 bits"},
     {"memread", py_memread, METH_VARARGS, "memread(buffer, threads, streams=1): read every byte, each thread's share as `streams` interleaved runs "

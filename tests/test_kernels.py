@@ -578,36 +578,140 @@ def test_int4_layout():
     assert d[0, 8:].tolist() == [0.0] * 24
 
 
-def test_silu_glu_is_the_plain_formula():
-    """silu and silu_glu, one array and no temporaries, have the bits of the plain formulas g / (1 + exp(-g))
-    and that times u, overflow and NaN included."""
+def make_expert(fmt: str, down_fmt: str, cols: int, inner: int, width: int, seed: int):
+    """A SwiGLU expert: gate and up [inner, cols] in fmt, down [width, inner] in down_fmt."""
+    from moestream.models.base import Expert
+
+    return Expert(
+        make_weight(fmt, inner, cols, seed=seed),
+        make_weight(fmt, inner, cols, seed=seed + 9),
+        make_weight(down_fmt, width, inner, seed=seed + 99),
+    )
+
+
+def on_every_isa(fn):
+    """{isa: fn()} for every instruction set this CPU has, the choice restored afterwards."""
+    before, results = _C.get_isa(), {}
+    try:
+        for name in _C.supported_isas():
+            _C.set_isa(name)
+            results[name] = fn()
+    finally:
+        _C.set_isa(before)
+    return results
+
+
+def test_silu_glu_within_three_ulp_with_the_same_bits_on_every_isa_and_thread_count():
+    """silu_glu (csrc/activations.c on exp_f32.h's exp) against the float64 formula g / (1 + exp(-g)) * u:
+    within 3 ulp of the result (within 1e-30 where it is below that), the limits of the plain float32
+    formula (overflow, infinities, NaN), the same bits on every instruction set and at 1 or 2 threads;
+    silu alone keeps numpy's plain bits."""
     from moestream.models.base import silu, silu_glu
 
     rng = np.random.default_rng(5)
-    g = (20 * rng.standard_normal((64, 48))).astype(np.float32)
-    g[0, :5] = [np.inf, -np.inf, np.nan, 100.0, -100.0]
-    u = rng.standard_normal((64, 48)).astype(np.float32)
+    g = (20 * rng.standard_normal((61, 47))).astype(np.float32)  # not a multiple of 8 or 16: the tails
+    g[0, :7] = [np.inf, -np.inf, np.nan, 100.0, -100.0, 0.0, -0.0]
+    u = rng.standard_normal((61, 47)).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         plain = g / (np.float32(1.0) + np.exp(-g))
-        want, got = plain * u, silu_glu(g, u)
         assert silu(g).tobytes() == plain.tobytes()
-    assert got.dtype == np.float32 and got.tobytes() == want.tobytes()
+        ref = (g.astype(np.float64) / (1.0 + np.exp(-g.astype(np.float64)))) * u
+    got = silu_glu(g, u)
+    assert got.dtype == np.float32 and got.shape == g.shape
+    normal = np.isfinite(ref) & (np.abs(ref) >= 1e-30)  # below: exp(-g) overflows, silu(g) ~ 0
+    ulp = np.abs(got[normal] - ref[normal]) / np.spacing(np.abs(ref[normal]).astype(np.float32))
+    assert ulp.max() <= 3.0
+    tiny = np.isfinite(ref) & ~normal
+    assert tiny.any() and np.abs(got[tiny] - ref[tiny]).max() < 1e-30
+    assert np.array_equal(np.isnan(got), np.isnan(plain * u)) and got[0, 0] == np.inf * u[0, 0]
+    assert got[0, 3] == np.float32(100.0) * u[0, 3] and got[0, 4] == 0.0 and got[0, 5] == 0.0
+
+    def both_thread_counts():
+        big_g = np.repeat(g, 40, axis=0).ravel()  # 115 k elements: split over two threads
+        big_u = np.repeat(u, 40, axis=0).ravel()
+        one, two = np.empty_like(big_g), np.empty_like(big_g)
+        _C.silu_mul(big_g, big_u, one, 1)
+        _C.silu_mul(big_g, big_u, two, 2)
+        assert one.tobytes() == two.tobytes()
+        return silu_glu(g, u).tobytes() + one.tobytes()
+
+    assert len(set(on_every_isa(both_thread_counts).values())) == 1
+    with pytest.raises(ValueError, match="do not add up"):
+        _C.silu_mul(g, u[:3], np.empty_like(g), 1)
+
+
+def test_softmax_topk_picks_the_largest_probabilities():
+    """softmax_topk (the Qwen3 / Mixtral router's choice in C) against float64: the experts of the k largest
+    probabilities in order, ties to the lower index, their probabilities (renormalised or not) within a few
+    float32 roundings, the same bits on every instruction set; bad sizes refused."""
+    rng = np.random.default_rng(12)
+    T, n, k = 40, 128, 8
+    logits = (3 * rng.standard_normal((T, n))).astype(np.float32)
+    logits[1] = 0.5  # all tied: the first k
+    logits[2, [7, 3, 90]] = 9.0  # three tied at the top: in index order
+    p64 = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+    p64 /= p64.sum(-1, keepdims=True)
+    want_idx = np.argsort(-p64, axis=-1, kind="stable")[:, :k]
+    for renormalize in (False, True):
+
+        def run(renormalize=renormalize):
+            idx, w = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
+            _C.softmax_topk(logits, n, k, renormalize, idx, w)
+            return idx, w
+
+        results = on_every_isa(run)
+        assert len({i.tobytes() + w.tobytes() for i, w in results.values()}) == 1
+        idx, w = next(iter(results.values()))
+        assert idx.tolist() == want_idx.tolist()
+        assert idx[1].tolist() == list(range(k)) and idx[2, :3].tolist() == [3, 7, 90]
+        want_w = np.take_along_axis(p64, want_idx, -1)
+        if renormalize:
+            want_w /= want_w.sum(-1, keepdims=True)
+        np.testing.assert_allclose(w, want_w, rtol=2e-6)
+    idx, w = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
+    with pytest.raises(ValueError, match="do not add up"):
+        _C.softmax_topk(logits, n, n + 1, False, np.empty((T, n + 1), np.int64), np.empty((T, n + 1), np.float32))
+    with pytest.raises(ValueError, match="do not add up"):
+        _C.softmax_topk(logits, n, k, False, idx[:3], w)
+    with pytest.raises(ValueError, match="int64"):
+        _C.softmax_topk(logits, n, k, False, idx.astype(np.int32), w)
+
+
+def test_glu_experts_one_call_equals_the_steps():
+    """One token through several SwiGLU experts in one C call (csrc/moe_decode.c) gives each expert the bits
+    of its own products and activation (glu_many), and with coefficients their sum as moe_combine adds
+    them, for mixed formats and at 1 and 2 threads; experts whose sizes disagree are refused."""
+    from moestream.models.base import Ctx, combine_slots, glu_many, glu_one_x
+
+    rng = np.random.default_rng(13)
+    pairs = [("q4_k", "q6_k"), ("q8_0", "q4_k"), ("bf16", "f32"), ("mxfp4", "q8_0")]
+    experts = [make_expert(f, d, 512, 256, 384, seed=i) for i, (f, d) in enumerate(pairs)]
+    x = (0.05 * rng.standard_normal((1, 512))).astype(np.float32)
+    coef = rng.random(len(experts)).astype(np.float32)
+    ys = np.concatenate(glu_many([(e, x) for e in experts], Ctx(threads=2)))  # [n, 384]
+    want = combine_slots(ys, np.arange(len(experts), dtype=np.int64)[None, :], coef[None, :], Ctx())
+    for threads in (1, 2):
+        assert glu_one_x(experts, x, Ctx(threads=threads)).tobytes() == ys.tobytes()
+        assert glu_one_x(experts, x, Ctx(threads=threads), coef).tobytes() == want.tobytes()
+    args = [w.kernel_args() for e in experts for w in (e.gate, e.up, e.down)]
+    out = np.empty((1, 384), np.float32)
+    with pytest.raises(ValueError, match="expert 1 is gate"):
+        _C.glu_experts([*args[:3], args[3], args[4], args[0]], x, None, np.empty((2, 384), np.float32), 1)
+    with pytest.raises(ValueError, match="not \\(gate, up, down\\)"):
+        _C.glu_experts(args[:4], x, None, out, 1)
+    with pytest.raises(ValueError, match="do not add up"):
+        _C.glu_experts(args, x, coef[:2], out, 1)
+    with pytest.raises(ValueError, match="do not add up"):
+        _C.glu_experts(args, x[:, :256], None, np.empty((4, 384), np.float32), 1)
 
 
 def test_glu_many_equals_each_mlp_alone():
     """Experts run together (gate/up in one pass, the activation over all at once, down in one pass)
     give each expert the bits of its own three products, for 1 and several tokens and mixed formats."""
-    from moestream.models.base import Ctx, Expert, glu_many
+    from moestream.models.base import Ctx, glu_many
 
     rng = np.random.default_rng(6)
-    experts = [
-        Expert(
-            make_weight(f, 256, 256, seed=i),
-            make_weight(f, 256, 256, seed=i + 9),
-            make_weight(f, 128, 256, seed=i + 99),
-        )
-        for i, f in enumerate(["q4_k", "q6_k", "q8_0", "bf16", "q4_k"])
-    ]
+    experts = [make_expert(f, f, 256, 256, 128, seed=i) for i, f in enumerate(["q4_k", "q6_k", "q8_0", "bf16", "q4_k"])]
     for n in (1, 3):
         xs = [(0.02 * rng.standard_normal((n, 256))).astype(np.float32) for _ in experts]
         got = glu_many(list(zip(experts, xs, strict=True)), Ctx(threads=2))

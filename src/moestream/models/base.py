@@ -569,9 +569,15 @@ Glu = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 def silu_glu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """silu(g) * u, in silu's array."""
-    h = silu(g)
-    h *= u
+    """silu(g) * u = g / (1 + exp(-g)) * u (float32 [..., n] each), in one C pass on csrc/exp_f32.h's exp:
+    the same bits on every instruction set and thread count, within ~2 ulp of the exact value (numpy's
+    five passes took 14-37 us a decode layer)."""
+    g = np.ascontiguousarray(g, dtype=np.float32)
+    u = np.ascontiguousarray(u, dtype=np.float32)
+    if g.shape != u.shape:
+        raise ValueError(f"silu_glu: gate {list(g.shape)} and up {list(u.shape)} differ")
+    h = np.empty_like(g)
+    _C.silu_mul(g, u, h, 1)
     return h
 
 
@@ -585,24 +591,43 @@ class DenseMLP:
         return glu_many([(self, x)], ctx)[0]
 
 
-def glu_one_x(mlps: list[Any], x: np.ndarray, ctx: Ctx) -> np.ndarray:
+def glu_kernel_args(mlp: DenseMLP | Expert) -> list[tuple[int, np.ndarray, np.ndarray | None, int, int]]:
+    """The MLP's gate, up and down as the C kernels take them, made on first use and kept on the MLP (whose
+    matrices are never reassigned: an expert cache makes a new Expert for each read)."""
+    args = mlp.__dict__.get("_kernel_args")
+    if args is None:
+        args = mlp.__dict__["_kernel_args"] = [w.kernel_args() for w in (mlp.gate, mlp.up, mlp.down)]
+    return args
+
+
+def glu_one_x(mlps: list[Any], x: np.ndarray, ctx: Ctx, coef: np.ndarray | None = None) -> np.ndarray:
     """[mlp(x) for mlp in mlps] as one array [n, out] for a single token x [1, E] (decode) and MLPs of one
-    output width (a MoE layer's experts): glu_many's passes and bits, without its bookkeeping for batches
-    of different sizes."""
+    shape (a MoE layer's experts), or with coef [n] their sum coef[0] * mlp_0(x) + coef[1] * mlp_1(x) + ...
+    [1, out] as combine_slots adds them: glu_many's products and bits. SwiGLU experts go through one C call
+    (csrc/moe_decode.c: both passes of products, the activation and the sum)."""
     first = mlps[0]
-    if any(m.act is not first.act or m.gate.rows != first.gate.rows for m in mlps):
-        return np.concatenate(glu_many([(m, x) for m in mlps], ctx))
     x = np.ascontiguousarray(x, dtype=np.float32)
-    n, inner = len(mlps), first.gate.rows
-    g = np.empty((n, inner), np.float32)  # [n, I]
-    u = np.empty((n, inner), np.float32)
-    matmul_many(
-        [p for i, m in enumerate(mlps) for p in ((m.gate, x, g[i : i + 1]), (m.up, x, u[i : i + 1]))], ctx.threads
-    )
-    h = first.act(g, u)  # [n, I]
-    out = np.empty((n, first.down.rows), np.float32)  # [n, out]
-    matmul_many([(m.down, h[i : i + 1], out[i : i + 1]) for i, m in enumerate(mlps)], ctx.threads)
-    return out
+    n, inner, width = len(mlps), first.gate.rows, first.down.rows
+    if all(m.act is silu_glu and m.gate.rows == inner and m.down.rows == width for m in mlps):
+        out = np.empty((1 if coef is not None else n, width), np.float32)
+        args = [a for m in mlps for a in glu_kernel_args(m)]
+        _C.glu_experts(args, x, None if coef is None else np.ascontiguousarray(coef, np.float32), out, ctx.threads)
+        return out
+    if any(m.act is not first.act or m.gate.rows != inner for m in mlps):
+        ys = np.concatenate(glu_many([(m, x) for m in mlps], ctx))
+    else:
+        g = np.empty((n, inner), np.float32)  # [n, I]
+        u = np.empty((n, inner), np.float32)
+        matmul_many(
+            [p for i, m in enumerate(mlps) for p in ((m.gate, x, g[i : i + 1]), (m.up, x, u[i : i + 1]))],
+            ctx.threads,
+        )
+        h = first.act(g, u)  # [n, I]
+        ys = np.empty((n, width), np.float32)  # [n, out]
+        matmul_many([(m.down, h[i : i + 1], ys[i : i + 1]) for i, m in enumerate(mlps)], ctx.threads)
+    if coef is None:
+        return ys
+    return combine_slots(ys, np.arange(n, dtype=np.int64)[None, :], np.asarray(coef, np.float32)[None, :], ctx)
 
 
 def glu_many(
@@ -666,12 +691,13 @@ class SoftmaxRouter:
         self.gate, self.top_k, self.renormalize = gate, top_k, renormalize
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
-        probs = softmax(self.gate.matmul(x, ctx.threads))  # [T, n_experts]
-        idx = topk_desc(probs, self.top_k)
-        w = probs[per_row(idx)]
-        if self.renormalize:
-            w = w / np.add.reduce(w, axis=-1, keepdims=True)
-        return idx, w.astype(np.float32)
+        logits = self.gate.matmul(x, ctx.threads)  # [T, n_experts]
+        T = logits.shape[0]
+        idx = np.empty((T, self.top_k), np.int64)
+        w = np.empty((T, self.top_k), np.float32)
+        # softmax, top-k (ties to the lower index) and the renormalisation in one C pass (csrc/activations.h)
+        _C.softmax_topk(logits, self.gate.rows, self.top_k, self.renormalize, idx, w)
+        return idx, w
 
 
 class SigmoidGroupRouter:
@@ -745,21 +771,30 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
     set (runtime/expert_cache.py) that serves them in groups through fetch(); either way every expert
     computes from the same bytes, so the result is the same."""
     T, k = idx.shape
+    slots = idx[0].tolist()
+    if T == 1 and not hasattr(experts, "fetch"):  # decode, all at hand: one pass in slot order, summed on the way
+        return glu_one_x([experts[e] for e in slots], x, ctx, w[0])
     ids = sorted({int(e) for e in idx.ravel()})
     groups = experts.fetch(ids) if hasattr(experts, "fetch") else [[(e, experts[e]) for e in ids]]
     if T == 1:  # decode: each chosen expert once, at its slot in the top-k order, all on the one x
-        slot_of = {int(e): j for j, e in enumerate(idx[0])}
+        slot_of = {e: j for j, e in enumerate(slots)}
         by_slot: np.ndarray | None = None  # [k, out]: row j = expert_{idx[0, j]}(x)
+        out: np.ndarray | None = None
         served = 0
         for group in groups:
-            if not group:
-                continue
-            y = glu_one_x([expert for _, expert in group], x, ctx)  # [n, out]; x prepared once for all
-            if by_slot is None:
-                by_slot = np.empty((k, y.shape[1]), np.float32)
-            by_slot[[slot_of[e] for e, _ in group]] = y
+            if len(group) == k:  # all of them in one group (the usual case): as when all are at hand
+                of = dict(group)
+                out = glu_one_x([of[e] for e in slots], x, ctx, w[0])
+            elif group:
+                y = glu_one_x([expert for _, expert in group], x, ctx)  # [n, out]; x prepared once for all
+                if by_slot is None:
+                    by_slot = np.empty((k, y.shape[1]), np.float32)
+                by_slot[[slot_of[e] for e, _ in group]] = y
             served += len(group)
-        assert by_slot is not None and served == k, "the expert set did not serve every chosen expert"
+        assert served == k, "the expert set did not serve every chosen expert"
+        if out is not None:
+            return out
+        assert by_slot is not None
         return combine_slots(by_slot, np.arange(k, dtype=np.int64)[None, :], w, ctx)  # [1, out]
     # the (token, slot) pairs t * k + j grouped by expert, in token order within each (as np.nonzero(idx == e)
     # gives them) with one stable sort: expert e's are flat[a_e:b_e], and its tokens' rows of xs

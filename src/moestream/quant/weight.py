@@ -108,6 +108,13 @@ class Weight:
         w._validate = self._check if self._validate is not None else None
         return w
 
+    def kernel_args(self) -> tuple[int, np.ndarray, np.ndarray | None, int, int]:
+        """(format id, data, scales, rows, cols): the matrix as the C kernels take it, checked first if it is
+        checked lazily."""
+        if self._validate is not None:
+            self._ready()
+        return (self.fmt.id, self.data, self.scales, self.rows, self.cols)
+
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes) + (int(self.scales.nbytes) if self.scales is not None else 0)
@@ -177,9 +184,5 @@ def matmul_many(products: Sequence[tuple[Weight, np.ndarray, np.ndarray]], threa
     """out = x @ W.T for each (W, x [T, cols] f32, out [T, rows] f32 C-contiguous) in one parallel pass of the
     kernels: one hand-off to the threads instead of one per product, and the activations prepared once for
     the products that share x. Each out holds the same bits as W.matmul(x)."""
-    args = []
-    for w, x, out in products:
-        if w._validate is not None:
-            w._ready()
-        args.append((w.fmt.id, w.data, w.scales, w.rows, w.cols, x, out))
-    _C.matmul_many(args, threads)  # it checks that x and out are C-contiguous float32 and every size adds up
+    # the C side checks that x and out are C-contiguous float32 and that every size adds up
+    _C.matmul_many([(*w.kernel_args(), x, out) for w, x, out in products], threads)
