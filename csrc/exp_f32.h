@@ -1,7 +1,7 @@
 /* exp(x) for float32 in one fixed sequence of float operations (no fused multiply-adds: the build has
- * -ffp-contract=off), so that the scalar, AVX2 and AVX-512 versions give the same bits: the softmax of
- * decode attention takes it on every instruction set, where libm's expf, one call an element, took about
- * a third of the kernel's time.
+ * -ffp-contract=off), so that the scalar, AVX2 and AVX-512 versions give the same bits: the softmaxes of
+ * decode attention and of the router and SwiGLU's silu take it on every instruction set (csrc/activations.c;
+ * libm's expf, one call an element, took about a third of the attention kernel's time).
  *
  * The method is the usual one: n = x log2(e) rounded to nearest (by adding and taking off 1.5 * 2^23), the
  * remainder r = x - n ln 2 in two steps (ln 2 as 0.693359375, exact in 9 bits, and a small correction), a
@@ -9,7 +9,7 @@
  * Within 1 ulp of the true value for x in [-87.3, 88.3] (0.98 at most over a sweep of 4 million points,
  * tests/test_attention.py; numpy's float32 exp there: 2.4); 0 below that range (where the result would be
  * near or under the smallest normal float), +inf above it (though exp is finite up to 88.72), NaN for NaN.
- * The softmax only takes x <= 0. */
+ * The softmaxes take x <= 0; silu takes exp(-g), whose overflow above 88.3 gives silu(g) = -0. */
 #ifndef MOESTREAM_EXP_F32_H
 #define MOESTREAM_EXP_F32_H
 #include <immintrin.h>
