@@ -83,14 +83,13 @@ int ms_block_rows_matmul(const ms_matrix *m, int64_t first, int64_t stride, int 
  * experts' outputs, as numpy computes it. Threads split the tokens (csrc/moe_combine.c). */
 void ms_moe_combine(const float *ys, int64_t width, const int64_t *rows, const float *w, int64_t T, int k, float *out,
                     int nthreads);
-/* One token x [cols] through n experts of SwiGLU shape (gate[i] and up[i] [inner, cols], down[i] [width,
- * inner]): y_i = down_i (silu(gate_i x) * up_i x), the gate and up products of all of them in one pass of
- * ms_matmul_many (x prepared once), ms_silu_mul over all, then the down products in one pass. With w (n
- * coefficients) out [width] = y_0 * w[0] + y_1 * w[1] + ..., summed as ms_moe_combine does; without (NULL)
- * out [n, width] holds the y_i. Each product has the bits of ms_matmul alone (csrc/moe_decode.c). 0, or -1
- * when out of memory. */
-int ms_glu_experts_one_x(const ms_matrix *gate, const ms_matrix *up, const ms_matrix *down, int n, const float *x,
-                         const float *w, float *out, int nthreads);
+/* One token x [cols] through n experts of SwiGLU shape, m [3n] their matrices expert by expert (gate_i and
+ * up_i [inner, cols], down_i [width, inner]): y_i = down_i (silu(gate_i x) * up_i x), the gate and up
+ * products of all of them in one pass of ms_matmul_many (x prepared once), ms_silu_mul over all, then the
+ * down products in one pass. With w (n coefficients) out [width] = y_0 * w[0] + y_1 * w[1] + ..., summed as
+ * ms_moe_combine does; without (NULL) out [n, width] holds the y_i. Each product has the bits of ms_matmul
+ * alone (csrc/moe_decode.c). 0, or -1 when out of memory. */
+int ms_glu_experts_one_x(const ms_matrix *m, int n, const float *x, const float *w, float *out, int nthreads);
 /* Reads n bytes as a memory bandwidth baseline, each thread its share as `streams` runs read 256 bytes from
  * each in turn (1..64); returns the sum over threads of the low 16 bits of the XOR of their share's 8-byte
  * words (the bytes past the last whole word XORed in alone), the same for any `streams`. */

@@ -73,15 +73,40 @@ static int make_matrix(int fmt, Py_buffer *w, Py_buffer *s, int has_scales, long
     return 0;
 }
 
+/* The buffers of one matrix while a call runs. */
+typedef struct {
+    Py_buffer w, s;
+    int has_scales;
+} matrix_buffers;
+
+static void release_matrix(matrix_buffers *b) {
+    PyBuffer_Release(&b->w);
+    if (b->has_scales) PyBuffer_Release(&b->s);
+}
+
+/* With b->w held: the scales (unless None) held too and m made from both, every size checked. 0, or -1 with a
+ * Python exception set and nothing held (b->w released). */
+static int hold_matrix(int fmt, PyObject *scales_obj, long long rows, long long cols, matrix_buffers *b,
+                       ms_matrix *m) {
+    b->has_scales = scales_obj != Py_None;
+    if (b->has_scales && PyObject_GetBuffer(scales_obj, &b->s, PyBUF_SIMPLE) < 0) {
+        b->has_scales = 0;
+        PyBuffer_Release(&b->w);
+        return -1;
+    }
+    if (make_matrix(fmt, &b->w, &b->s, b->has_scales, rows, cols, m) == 0) return 0;
+    release_matrix(b);
+    return -1;
+}
+
 /* The buffers one product holds while it runs. */
 typedef struct {
-    Py_buffer w, s, x, out;
-    int has_scales;
+    matrix_buffers m;
+    Py_buffer x, out;
 } product_buffers;
 
 static void release_product(product_buffers *b) {
-    PyBuffer_Release(&b->w);
-    if (b->has_scales) PyBuffer_Release(&b->s);
+    release_matrix(&b->m);
     PyBuffer_Release(&b->x);
     PyBuffer_Release(&b->out);
 }
@@ -106,29 +131,42 @@ static int get_f32(PyObject *obj, Py_buffer *b, int writable, const char *name) 
     return 0;
 }
 
+/* A C-contiguous, 8-byte aligned int64 buffer (writable if asked): 0, or -1 with a ValueError naming it
+ * and nothing held. */
+static int get_i64(PyObject *obj, Py_buffer *b, int writable, const char *name) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    const char *f = b->format ? b->format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+    if ((strcmp(f, "q") != 0 && strcmp(f, "l") != 0) || b->itemsize != 8 || (uintptr_t)b->buf % 8 != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be aligned int64", name);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
 /* (fmt, w, scales, rows, cols, x, out) -> p with every size checked. 0 with the buffers held (release
  * them with release_product), or -1 with a Python exception set and nothing held. */
 static int parse_product(PyObject *args, ms_product *p, product_buffers *b) {
     int fmt;
     long long rows, cols;
     PyObject *scales_obj, *x_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "iy*OLLOO", &fmt, &b->w, &scales_obj, &rows, &cols, &x_obj, &out_obj)) return -1;
+    if (!PyArg_ParseTuple(args, "iy*OLLOO", &fmt, &b->m.w, &scales_obj, &rows, &cols, &x_obj, &out_obj)) return -1;
     if (get_f32(x_obj, &b->x, 0, "x") < 0) {
-        PyBuffer_Release(&b->w);
+        PyBuffer_Release(&b->m.w);
         return -1;
     }
     if (get_f32(out_obj, &b->out, 1, "out") < 0) {
-        PyBuffer_Release(&b->w);
+        PyBuffer_Release(&b->m.w);
         PyBuffer_Release(&b->x);
         return -1;
     }
-    b->has_scales = scales_obj != Py_None;
-    if (b->has_scales && PyObject_GetBuffer(scales_obj, &b->s, PyBUF_SIMPLE) < 0) {
-        b->has_scales = 0;
-        release_product(b);
+    if (hold_matrix(fmt, scales_obj, rows, cols, &b->m, &p->m) < 0) {
+        PyBuffer_Release(&b->x);
+        PyBuffer_Release(&b->out);
         return -1;
     }
-    if (make_matrix(fmt, &b->w, &b->s, b->has_scales, rows, cols, &p->m) < 0) goto fail;
     if (b->x.len % (cols * (Py_ssize_t)sizeof(float)) != 0) {
         PyErr_Format(PyExc_ValueError, "x has %zd bytes, not a whole number of f32 rows of %lld", b->x.len, cols);
         goto fail;
@@ -586,13 +624,7 @@ static PyObject *py_softmax_topk(PyObject *self, PyObject *args) {
     Py_buffer logits, idx, w;
     PyObject *ret = NULL;
     if (get_f32(obj[0], &logits, 0, "logits") < 0) return NULL;
-    if (PyObject_GetBuffer(obj[1], &idx, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) goto release_logits;
-    const char *f = idx.format ? idx.format : "B";
-    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
-    if ((strcmp(f, "q") != 0 && strcmp(f, "l") != 0) || idx.itemsize != 8 || (uintptr_t)idx.buf % 8 != 0) {
-        PyErr_SetString(PyExc_ValueError, "softmax_topk: idx must be aligned int64");
-        goto release_idx;
-    }
+    if (get_i64(obj[1], &idx, 1, "softmax_topk: idx") < 0) goto release_logits;
     if (get_f32(obj[2], &w, 1, "w") < 0) goto release_idx;
     const long long T = n > 0 ? logits.len / 4 / n : 0;
     if (n <= 0 || k < 1 || k > n || logits.len != T * n * 4 || idx.len != T * k * 8 || w.len != T * k * 4) {
@@ -615,12 +647,6 @@ release_logits:
     return ret;
 }
 
-/* The buffers of one matrix while a call runs. */
-typedef struct {
-    Py_buffer w, s;
-    int has_scales;
-} matrix_buffers;
-
 /* (fmt, w, scales, rows, cols) -> m with its sizes checked: 0 with the buffers held, or -1 with an exception
  * set and nothing held. */
 static int parse_matrix(PyObject *item, ms_matrix *m, matrix_buffers *b) {
@@ -632,15 +658,7 @@ static int parse_matrix(PyObject *item, ms_matrix *m, matrix_buffers *b) {
         return -1;
     }
     if (!PyArg_ParseTuple(item, "iy*OLL", &fmt, &b->w, &scales_obj, &rows, &cols)) return -1;
-    b->has_scales = scales_obj != Py_None;
-    if (b->has_scales && PyObject_GetBuffer(scales_obj, &b->s, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&b->w);
-        return -1;
-    }
-    if (make_matrix(fmt, &b->w, &b->s, b->has_scales, rows, cols, m) == 0) return 0;
-    PyBuffer_Release(&b->w);
-    if (b->has_scales) PyBuffer_Release(&b->s);
-    return -1;
+    return hold_matrix(fmt, scales_obj, rows, cols, b, m);
 }
 
 /* glu_experts([gate_0, up_0, down_0, gate_1, ...], x [cols], w [n] or None, out, threads), each matrix a tuple
@@ -655,13 +673,12 @@ static PyObject *py_glu_experts(PyObject *self, PyObject *args) {
     const Py_ssize_t nm = PySequence_Fast_GET_SIZE(fast);
     const int n = (int)(nm / 3);
     ms_matrix *m = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof(ms_matrix));
-    ms_matrix *sorted = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof(ms_matrix));
     matrix_buffers *b = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof(matrix_buffers));
     Py_buffer x, w, out;
     int has_x = 0, has_w = 0, has_out = 0;
     Py_ssize_t held = 0;
     PyObject *ret = NULL;
-    if (m == NULL || sorted == NULL || b == NULL) {
+    if (m == NULL || b == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -692,9 +709,6 @@ static PyObject *py_glu_experts(PyObject *self, PyObject *args) {
                          (long long)inner, (long long)cols, (long long)width, (long long)inner);
             goto done;
         }
-        sorted[i] = *g;
-        sorted[n + i] = *u;
-        sorted[2 * n + i] = *d;
     }
     const Py_ssize_t want_out = (has_w ? 1 : n) * width * (Py_ssize_t)sizeof(float);
     if (x.len != cols * (Py_ssize_t)sizeof(float) || (has_w && w.len != n * (Py_ssize_t)sizeof(float)) ||
@@ -708,19 +722,15 @@ static PyObject *py_glu_experts(PyObject *self, PyObject *args) {
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = ms_glu_experts_one_x(sorted, sorted + n, sorted + 2 * n, n, x.buf, has_w ? w.buf : NULL, out.buf, threads);
+    rc = ms_glu_experts_one_x(m, n, x.buf, has_w ? w.buf : NULL, out.buf, threads);
     Py_END_ALLOW_THREADS
     ret = none_unless_out_of_memory(rc);
 done:
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyBuffer_Release(&b[i].w);
-        if (b[i].has_scales) PyBuffer_Release(&b[i].s);
-    }
+    for (Py_ssize_t i = 0; i < held; i++) release_matrix(&b[i]);
     if (has_x) PyBuffer_Release(&x);
     if (has_w) PyBuffer_Release(&w);
     if (has_out) PyBuffer_Release(&out);
     PyMem_Free(m);
-    PyMem_Free(sorted);
     PyMem_Free(b);
     Py_DECREF(fast);
     return ret;
@@ -863,13 +873,7 @@ static PyObject *py_moe_combine(PyObject *self, PyObject *args) {
     Py_buffer ys, rows, w, out;
     PyObject *ret = NULL;
     if (get_f32(obj[0], &ys, 0, "ys") < 0) return NULL;
-    if (PyObject_GetBuffer(obj[1], &rows, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto release_ys;
-    const char *f = rows.format ? rows.format : "B";
-    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
-    if ((strcmp(f, "q") != 0 && strcmp(f, "l") != 0) || rows.itemsize != 8 || (uintptr_t)rows.buf % 8 != 0) {
-        PyErr_SetString(PyExc_ValueError, "moe_combine: rows must be aligned int64");
-        goto release_rows;
-    }
+    if (get_i64(obj[1], &rows, 0, "moe_combine: rows") < 0) goto release_ys;
     if (get_f32(obj[2], &w, 0, "w") < 0) goto release_rows;
     if (get_f32(obj[3], &out, 1, "out") < 0) goto release_w;
     const long long n = width > 0 ? ys.len / 4 / width : 0;

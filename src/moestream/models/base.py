@@ -771,12 +771,12 @@ def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx
     set (runtime/expert_cache.py) that serves them in groups through fetch(); either way every expert
     computes from the same bytes, so the result is the same."""
     T, k = idx.shape
-    slots = idx[0].tolist()
     if T == 1 and not hasattr(experts, "fetch"):  # decode, all at hand: one pass in slot order, summed on the way
-        return glu_one_x([experts[e] for e in slots], x, ctx, w[0])
+        return glu_one_x([experts[e] for e in idx[0].tolist()], x, ctx, w[0])
     ids = sorted({int(e) for e in idx.ravel()})
     groups = experts.fetch(ids) if hasattr(experts, "fetch") else [[(e, experts[e]) for e in ids]]
     if T == 1:  # decode: each chosen expert once, at its slot in the top-k order, all on the one x
+        slots = idx[0].tolist()
         slot_of = {e: j for j, e in enumerate(slots)}
         by_slot: np.ndarray | None = None  # [k, out]: row j = expert_{idx[0, j]}(x)
         out: np.ndarray | None = None
