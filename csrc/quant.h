@@ -221,7 +221,9 @@ void ms_dot4_tq1_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const flo
 void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_tq1_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out); /* VNNI */
 void ms_prep_x_int4(const float *x, int64_t n, float *xp);
-void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp);
+void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp);         /* the pair layout (quant_int8.h) */
+void ms_prep_x_int4_nibbles_avx2(const float *x, int64_t n, float *xp); /* nibble order, as the scalar one */
+void ms_prep_x_int4_avx512(const float *x, int64_t n, float *xp);       /* the layout its kernels read */
 void ms_dequant_int4(const ms_matrix *m, int64_t row, float *out);
 void ms_dot4_int4_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);

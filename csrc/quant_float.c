@@ -202,7 +202,7 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
     [MS_INT4_G32] = {"int4", 32, 16,
                      {ms_dot4_int4_scalar, ms_dot4_int4_avx2, ms_dot4_int4_avx512},
                      {ms_dequant_int4, ms_dequant_int4, ms_dequant_int4},
-                     {ms_prep_x_int4, ms_prep_x_int4_avx2, ms_prep_x_int4_avx2}, MS_INT4X_BYTES,
+                     {ms_prep_x_int4, ms_prep_x_int4_avx2, ms_prep_x_int4_avx512}, MS_INT4X_BYTES,
                      {NULL, NULL, ms_gemm_int4_avx512},
                      {NULL, NULL, ms_rows_int4_avx512}},
 };

@@ -62,7 +62,12 @@ static inline ms_mxfp4x ms_mxfp4x_at(const float *xp, int64_t nb) {
 /* A token's int4 activations as three arrays over its nb blocks (MS_INT4X_BYTES per block), so that a
  * pair of blocks is one 512-bit load of each: q[32 b .. 32 b + 31], block b's int8 activations in the
  * nibble order of the weights ([0..15] the block's even columns, [16..31] the odd ones); s8[8 b + L] =
- * 8 * (q[4L] + ... + q[4L+3]), lane L's share of the -8 in (nibble - 8); d[b], the block's scale. */
+ * 8 * (q[4L] + ... + q[4L+3]), lane L's share of the -8 in (nibble - 8); d[b], the block's scale. That is
+ * the nibble order of the scalar and AVX-512 VNNI kernels. The AVX2 kernel reads the pair layout: the
+ * blocks 2g, 2g + 1 of a pair (the last block of an odd count stays as above) as q[64 g ..] = 2g's
+ * [0..15], 2g + 1's [0..15], 2g's [16..31], 2g + 1's [16..31] (the low nibbles of a pair's 32 weight bytes
+ * against 32 contiguous bytes, the high ones against the next 32) and s8[16 g ..] = 2g's lanes 0..3, 2g + 1's
+ * 0..3, 2g's 4..7, 2g + 1's 4..7. Each ISA's prep writes the layout its kernels read. */
 #define MS_INT4X_BYTES 68
 typedef struct {
     int8_t *q;   /* [nb * 32] */

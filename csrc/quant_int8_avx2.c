@@ -89,35 +89,71 @@ static inline void q4_k_block_avx2(const void *consts, const uint8_t *w, const c
 
 ONE_TOKEN_KERNELS(q4_k, 144, ms_q8_kx)
 
-/* One int4 block: the 16 bytes in both lanes, the high lane shifted, give the nibbles in nibble order
- * (low nibbles = even columns, then high), multiplied as they lie; 8 * sum(x) per lane comes off. */
-static inline __m256 int4_block(const uint8_t *w, const ms_int4x *x, int64_t b, float s, __m256i shift, __m256i low4,
-                                 __m256 f) {
-    __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
-    __m256i nib = _mm256_and_si256(_mm256_srlv_epi64(bytes, shift), low4);
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, _mm256_loadu_si256((const __m256i *)(x->q + 32 * b))),
+/* int4 against the pair layout of the activations (quant_int8.h): two blocks' 32 weight bytes are one
+ * load, their low nibbles (the even columns of both blocks) one register and their high nibbles another,
+ * each against 32 contiguous activation bytes. So the lanes come permuted: the low-nibble register's
+ * madd gives lanes 0..3 of both blocks, the high one's lanes 4..7. The row's accumulators keep that
+ * permutation: a[0] holds lanes 0..3 of chains 0 and 1 (block b % 4) in its halves, a[1] their lanes
+ * 4..7, a[2] and a[3] the same for chains 2 and 3. Every lane takes the fused multiply-adds of the
+ * canonical order; the permutation is undone in the final sums. */
+static inline __m256i int4_lanes(__m256i nib, const int8_t *q, const int32_t *s8) {
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, _mm256_loadu_si256((const __m256i *)q)),
                                   _mm256_set1_epi16(1));
-    p = _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)(x->s8 + 8 * b)));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * x->d[b]), f);
+    return _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)s8)); /* 8 * sum(x) per lane comes off */
+}
+
+/* The pair g = blocks 2g, 2g + 1 of the row at w into a[0..1] (h = 0, chains 0 and 1) or a[2..3] (h = 1),
+ * d: the pair's scale products, block 2g's in the low half and 2g + 1's in the high one. */
+static inline void int4_pair_avx2(const uint8_t *w, const ms_int4x *x, int64_t g, __m256 d, __m256 a[2]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * g));
+    const __m256i lo = int4_lanes(_mm256_and_si256(v, low4), x->q + 64 * g, x->s8 + 16 * g);
+    const __m256i hi = int4_lanes(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x->q + 64 * g + 32,
+                                  x->s8 + 16 * g + 8);
+    a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), d, a[0]);
+    a[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d, a[1]);
+}
+
+/* The last block b of an odd count (b % 4 = 0 or 2: the low halves of a[0..1]), its activations in nibble
+ * order: its 16 bytes in both lanes, the high lane shifted, are its nibbles in nibble order. */
+static inline void int4_last_avx2(const uint8_t *w, const ms_int4x *x, int64_t b, float dd, __m256 a[2]) {
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + 16 * b)));
+    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)),
+                                         _mm256_set1_epi8(0x0F));
+    const __m256 t = _mm256_cvtepi32_ps(int4_lanes(nib, x->q + 32 * b, x->s8 + 8 * b)); /* lanes 0..7 */
+    const __m256 sum = _mm256_fmadd_ps(t, _mm256_set1_ps(dd), _mm256_permute2f128_ps(a[0], a[1], 0x20));
+    a[0] = _mm256_permute2f128_ps(sum, a[0], 0x30); /* lanes 0..3 into a[0]'s low half */
+    a[1] = _mm256_permute2f128_ps(sum, a[1], 0x31); /* lanes 4..7 into a[1]'s */
 }
 
 void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    int64_t nb = m->cols / 32;
+    const int64_t nb = m->cols / 32;
     const ms_int4x x = ms_int4x_at(xp, nb);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), shift = _mm256_setr_epi64x(0, 0, 4, 4);
+    const __m256i first = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), second = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
     const int l2 = ms_prefetch_into_l2(4 * m->row_bytes);
     for (int r = 0; r < nrows; r++) {
         const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
         const float *s = ms_int4_scale_row(m, row0 + r);
-        __m256 f[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; /* b % 4 */
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         int64_t b = 0;
-        for (; b + 4 <= nb; b += 4, w += 64) { /* four blocks a step, so that f stays in registers */
-            prefetch_ahead(w, 4 * m->row_bytes, 64, l2);
+        for (; b + 4 <= nb; b += 4) { /* four blocks a step, two pairs */
+            prefetch_ahead(w + 16 * b, 4 * m->row_bytes, 64, l2);
             if ((b & 15) == 0) prefetch_line(s + b + 4 * nb, l2); /* next tile's scales */
-            for (int c = 0; c < 4; c++) f[c] = int4_block(w + 16 * c, &x, b + c, s[b + c], shift, low4, f[c]);
+            const __m256 dd = _mm256_castps128_ps256(_mm_mul_ps(_mm_loadu_ps(s + b), _mm_loadu_ps(x.d + b)));
+            int4_pair_avx2(w, &x, b / 2, _mm256_permutevar8x32_ps(dd, first), a);
+            int4_pair_avx2(w, &x, b / 2 + 1, _mm256_permutevar8x32_ps(dd, second), a + 2);
         }
-        for (int c = 0; b < nb; b++, c++, w += 16) f[c] = int4_block(w, &x, b, s[b], shift, low4, f[c]);
-        out[r] = reduce8(_mm256_add_ps(_mm256_add_ps(f[0], f[1]), _mm256_add_ps(f[2], f[3])));
+        if (b + 2 <= nb) { /* a last pair, chains 0 and 1 */
+            int4_pair_avx2(w, &x, b / 2, _mm256_set_m128(_mm_set1_ps(s[b + 1] * x.d[b + 1]), _mm_set1_ps(s[b] * x.d[b])), a);
+            b += 2;
+        }
+        if (b < nb) int4_last_avx2(w, &x, b, s[b] * x.d[b], b % 4 == 0 ? a : a + 2);
+        /* lane L: (chain 0 + chain 1) + (chain 2 + chain 3), lanes 0..3 from a[0], a[2], 4..7 from a[1], a[3] */
+        const __m128 f03 = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(a[0]), _mm256_extractf128_ps(a[0], 1)),
+                                      _mm_add_ps(_mm256_castps256_ps128(a[2]), _mm256_extractf128_ps(a[2], 1)));
+        const __m128 f47 = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(a[1]), _mm256_extractf128_ps(a[1], 1)),
+                                      _mm_add_ps(_mm256_castps256_ps128(a[3]), _mm256_extractf128_ps(a[3], 1)));
+        out[r] = reduce8(_mm256_set_m128(f47, f03));
     }
 }
 
@@ -440,19 +476,43 @@ void ms_gemm_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *
     GEMM_OVER_TILE(q6k_buf, q6k_cap, q6k_unpack_tile, q6k_tokens, ms_dot4_q6_k_avx2, 1);
 }
 
-void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp) {
-    ms_int4x o = ms_int4x_at(xp, n / 32);
+/* int4's activations in nibble order (quant_int8.h): per block, its 32 int8 values and 8 lane offsets. */
+static inline void int4_block_x(const float *x, float *d, __m256i *q, __m256i *s8) {
     /* per 128-bit lane: its even bytes, then its odd ones; then the lanes' evens together, odds together */
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
                                            12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m256i ones = _mm256_set1_epi8(1), eights = _mm256_set1_epi16(8);
+    int8_t v[32];
+    quantize_run_avx2(x, 32, d, v);
+    *q = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)v), split), 0xD8);
+    *s8 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), *q), _mm256_set1_epi16(8));
+}
+
+void ms_prep_x_int4_nibbles_avx2(const float *x, int64_t n, float *xp) {
+    ms_int4x o = ms_int4x_at(xp, n / 32);
     for (int64_t i = 0; i < n / 32; i++) {
-        int8_t q[32];
-        quantize_run_avx2(x + 32 * i, 32, &o.d[i], q);
-        __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q), split);
-        v = _mm256_permute4x64_epi64(v, 0xD8); /* 64-bit pieces 0, 2, 1, 3 */
-        _mm256_storeu_si256((__m256i *)(o.q + 32 * i), v);
-        _mm256_storeu_si256((__m256i *)(o.s8 + 8 * i), _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), eights));
+        __m256i q, s8;
+        int4_block_x(x + 32 * i, &o.d[i], &q, &s8);
+        _mm256_storeu_si256((__m256i *)(o.q + 32 * i), q);
+        _mm256_storeu_si256((__m256i *)(o.s8 + 8 * i), s8);
+    }
+}
+
+void ms_prep_x_int4_avx2(const float *x, int64_t n, float *xp) {
+    const int64_t nb = n / 32;
+    ms_int4x o = ms_int4x_at(xp, nb);
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i q, s8;
+        int4_block_x(x + 32 * i, &o.d[i], &q, &s8);
+        if (i / 2 < nb / 2) { /* in a pair: its halves beside the other block's */
+            const int64_t g = i / 2, k = i % 2;
+            _mm_storeu_si128((__m128i *)(o.q + 64 * g + 16 * k), _mm256_castsi256_si128(q));
+            _mm_storeu_si128((__m128i *)(o.q + 64 * g + 32 + 16 * k), _mm256_extracti128_si256(q, 1));
+            _mm_storeu_si128((__m128i *)(o.s8 + 16 * g + 4 * k), _mm256_castsi256_si128(s8));
+            _mm_storeu_si128((__m128i *)(o.s8 + 16 * g + 8 + 4 * k), _mm256_extracti128_si256(s8, 1));
+        } else {
+            _mm256_storeu_si256((__m256i *)(o.q + 32 * i), q);
+            _mm256_storeu_si256((__m256i *)(o.s8 + 8 * i), s8);
+        }
     }
 }
 

@@ -213,6 +213,14 @@ static VNNI void int4_decode(const ms_matrix *m, int64_t row0, int64_t nrows, co
         l2 ? int4_run(m, row0, nrows, xp, out, 0, 1, four) : int4_run(m, row0, nrows, xp, out, 0, 0, four);
 }
 
+/* The VNNI kernels read the activations in nibble order; without VNNI the AVX2 kernel reads the pair layout. */
+void ms_prep_x_int4_avx512(const float *x, int64_t n, float *xp) {
+    if (ms_use_vnni())
+        ms_prep_x_int4_nibbles_avx2(x, n, xp);
+    else
+        ms_prep_x_int4_avx2(x, n, xp);
+}
+
 /* A tile: its rows one after another. */
 static VNNI void int4_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     int4_decode(m, row0, nrows, xp, out, 0);
