@@ -144,7 +144,8 @@ void ms_dot4_int4_avx2(const ms_matrix *m, int64_t row0, int nrows, const float 
             int4_pair_avx2(w, &x, b / 2 + 1, _mm256_permutevar8x32_ps(dd, second), a + 2);
         }
         if (b + 2 <= nb) { /* a last pair, chains 0 and 1 */
-            int4_pair_avx2(w, &x, b / 2, _mm256_set_m128(_mm_set1_ps(s[b + 1] * x.d[b + 1]), _mm_set1_ps(s[b] * x.d[b])), a);
+            const __m256 dd = _mm256_set_m128(_mm_set1_ps(s[b + 1] * x.d[b + 1]), _mm_set1_ps(s[b] * x.d[b]));
+            int4_pair_avx2(w, &x, b / 2, dd, a);
             b += 2;
         }
         if (b < nb) int4_last_avx2(w, &x, b, s[b] * x.d[b], b % 4 == 0 ? a : a + 2);
