@@ -67,6 +67,10 @@ typedef void (*ms_rows_fn)(const ms_matrix *m, int64_t row0, int64_t nrows, cons
  * AMX: 16 rows). */
 typedef void (*ms_gemm_rows_fn)(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
                                 int64_t T, float *out, int64_t out_stride);
+/* A gemm that unpacks its tile once for all the tokens (q4_k, q6_k) over a run of rows, in tiles as large as
+ * keep the unpacked tile near (csrc/matmul.c): the numbers of gemm tile by tile, whatever the tiles. */
+void ms_gemm_by_tiles(ms_gemm_fn gemm, const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                      int64_t T, float *out, int64_t out_stride);
 
 typedef struct {
     const char *name;
@@ -182,6 +186,10 @@ void ms_rows_q4_k_avx2(const ms_matrix *m, int64_t row0, int64_t nrows, const fl
 void ms_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out);
 void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                          float *out, int64_t out_stride);
+void ms_gemm_rows_q4_k_avx2(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                            int64_t T, float *out, int64_t out_stride);
+void ms_gemm_rows_q6_k_avx2(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                            int64_t T, float *out, int64_t out_stride);
 void ms_gemm_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
                               int64_t T, float *out, int64_t out_stride);
 void ms_gemm_rows_q6_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,

@@ -283,14 +283,6 @@ static void block_times_group(const amx_block *w, const amx_xblock *x, int nrows
     }
 }
 
-/* The format's AVX-512 gemm over the run of rows, tile by tile (as ms_matmul_many runs a format without
- * gemm_rows) */
-static void by_tiles(ms_gemm_fn gemm, const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
-                     int64_t T, float *out, int64_t out_stride) {
-    for (int64_t r = 0; r < nrows; r += 4)
-        gemm(m, row0 + r, nrows - r < 4 ? (int)(nrows - r) : 4, xp, stride, T, out + r, out_stride);
-}
-
 /* Every row tile of [row0, row0 + nrows) against the groups [g0, g1) of 8 tokens laid out in xbuf. */
 static void run_groups(const ms_matrix *m, int64_t row0, int64_t nrows, int64_t nb, int64_t g0, int64_t g1, int64_t T,
                        float *out, int64_t out_stride) {
@@ -476,7 +468,8 @@ static void gemm_rows_amx(int q6, const ms_matrix *m, int64_t row0, int64_t nrow
                              grow((void **)&wbuf6, &wcap6, nb, sizeof(amx_block6))
                        : grow((void **)&wbuf, &wcap, nb, sizeof(amx_block)));
     if (!ok) {
-        by_tiles(q6 ? ms_gemm_q6_k_avx512 : ms_gemm_q4_k_avx512, m, row0, nrows, xp, stride, T, out, out_stride);
+        ms_gemm_by_tiles(q6 ? ms_gemm_q6_k_avx512 : ms_gemm_q4_k_avx512, m, row0, nrows, xp, stride, T, out,
+                         out_stride);
         return;
     }
     configure_tiles();
@@ -502,7 +495,8 @@ static void amx_or_tiles(int q6, int64_t amx_from, const ms_matrix *m, int64_t r
     if (T >= amx_from && m->cols <= 4096 && ms_use_amx())
         gemm_rows_amx(q6, m, row0, nrows, xp, stride, T, out, out_stride);
     else
-        by_tiles(q6 ? ms_gemm_q6_k_avx512 : ms_gemm_q4_k_avx512, m, row0, nrows, xp, stride, T, out, out_stride);
+        ms_gemm_by_tiles(q6 ? ms_gemm_q6_k_avx512 : ms_gemm_q4_k_avx512, m, row0, nrows, xp, stride, T, out,
+                         out_stride);
 }
 
 /* q4_k: AMX from 24 tokens (model-167 Xeon, one thread, against VNNI: 768x2048 at 8 tokens 0.78-0.83x, 16

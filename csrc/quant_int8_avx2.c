@@ -377,6 +377,11 @@ void ms_gemm_q4_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *
                    grow((void **)&q4k_grp, &q4k_grp_cap, nb, sizeof(q4k_group)));
 }
 
+void ms_gemm_rows_q4_k_avx2(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                            int64_t T, float *out, int64_t out_stride) {
+    ms_gemm_by_tiles(ms_gemm_q4_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
+}
+
 /* ---- activation quantization (the same bytes as quantize_run in quant_int8.c) ------------------ */
 
 /* x[0:block] (block a multiple of 32) -> d and int8 q: amax ignores NaN like fmaxf (max_ps returns its
@@ -475,6 +480,11 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
 void ms_gemm_q6_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,
                        float *out, int64_t out_stride) {
     GEMM_OVER_TILE(q6k_buf, q6k_cap, q6k_unpack_tile, q6k_tokens, ms_dot4_q6_k_avx2, 1);
+}
+
+void ms_gemm_rows_q6_k_avx2(const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,
+                            int64_t T, float *out, int64_t out_stride) {
+    ms_gemm_by_tiles(ms_gemm_q6_k_avx2, m, row0, nrows, xp, stride, T, out, out_stride);
 }
 
 /* int4's activations in nibble order (quant_int8.h): per block, its 32 int8 values and 8 lane offsets. */

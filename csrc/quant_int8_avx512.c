@@ -588,6 +588,54 @@ void ms_gemm_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char
 static _Thread_local __m512 *q6k_grp; /* [nb][2]: per block, tokens 2p and 2p + 1's d in the halves of [p] */
 static _Thread_local int64_t q6k_grp_cap;
 
+/* Rows r0 .. r0 + R - 1 (R = 1 or 2) of the unpacked tile against a group of nt tokens (q6k_tokens): each
+ * activation load (x and its 32 x) serves the R rows; every row and token keeps its own chain, so its bits
+ * do not depend on R. */
+static inline __attribute__((always_inline)) void q6k_rows(const q6k_unpacked *buf, int64_t nb, int r0, const int R,
+                                                           const __m512i pair[4], const char *xp, int64_t stride,
+                                                           const int nt, float *out, int64_t out_stride) {
+    const __m512 *g = q6k_grp;
+    const q6k_unpacked *u[2];
+    __m512 F[2][2]; /* row j: tokens 2p, 2p + 1 in F[j][p] */
+    for (int j = 0; j < R; j++) {
+        u[j] = &buf[(r0 + j) * nb];
+        F[j][0] = F[j][1] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i acc[2][4];
+        for (int j = 0; j < R; j++)
+            for (int i = 0; i < nt; i++) acc[j][i] = _mm512_setzero_si512();
+        for (int k = 0; k < 4; k++) {
+            __m512i q[2], sc[2];
+            for (int j = 0; j < R; j++) {
+                q[j] = _mm512_load_si512(&u[j][b].q[2 * k]);
+                sc[j] = _mm512_permutexvar_epi16(pair[k], _mm512_castsi256_si512(u[j][b].sc));
+            }
+            for (int i = 0; i < nt; i++) {
+                const ms_q6_kx *x = (const ms_q6_kx *)(xp + i * stride) + b;
+                const __m512i xq = _mm512_loadu_si512(x->k.q + 64 * k), x32 = _mm512_loadu_si512(x->x32 + 32 * k);
+                for (int j = 0; j < R; j++) {
+                    const __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q[j], xq), x32);
+                    acc[j][i] = _mm512_add_epi32(acc[j][i], _mm512_madd_epi16(p, sc[j]));
+                    KEEP_IN_REGISTER(acc[j][i]);
+                }
+            }
+        }
+        for (int j = 0; j < R; j++) {
+            const __m512 wd = _mm512_set1_ps(u[j][b].d);
+            for (int p = 0; 2 * p < nt; p++) {
+                const int s = 2 * p + 1 < nt ? 2 * p + 1 : 2 * p; /* (unused if absent) */
+                F[j][p] = pair_epilogue(acc[j][2 * p], acc[j][s], _mm512_mul_ps(wd, g[2 * b + p]), F[j][p]);
+            }
+        }
+    }
+    for (int j = 0; j < R; j++) {
+        float res[16]; /* token i's in float 4i */
+        _mm512_storeu_ps(res, reduce8_x4(F[j][0], F[j][1]));
+        for (int i = 0; i < nt; i++) out[i * out_stride + r0 + j] = res[4 * i];
+    }
+}
+
 static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked *buf, int64_t nb, int nrows,
                                                              const char *xp, int64_t stride, int nt, float *out,
                                                              int64_t out_stride) {
@@ -606,33 +654,9 @@ static inline __attribute__((always_inline)) void q6k_tokens(const q6k_unpacked 
             g[2 * b + p] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(d0)),
                                                                _mm256_castps_pd(_mm256_set1_ps(d1)), 1));
         }
-    for (int r = 0; r < nrows; r++) {
-        const q6k_unpacked *u = &buf[r * nb];
-        __m512 F[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* tokens 2p, 2p + 1 in F[p] */
-        for (int64_t b = 0; b < nb; b++, u++) {
-            __m512i acc[4];
-            for (int i = 0; i < nt; i++) acc[i] = _mm512_setzero_si512();
-            const __m512i scales = _mm512_castsi256_si512(u->sc);
-            for (int k = 0; k < 4; k++) {
-                const __m512i q = _mm512_load_si512(&u->q[2 * k]), sc = _mm512_permutexvar_epi16(pair[k], scales);
-                for (int i = 0; i < nt; i++) {
-                    const ms_q6_kx *x = (const ms_q6_kx *)(xp + i * stride) + b;
-                    __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x->k.q + 64 * k));
-                    p = _mm512_sub_epi16(p, _mm512_loadu_si512(x->x32 + 32 * k));
-                    acc[i] = _mm512_add_epi32(acc[i], _mm512_madd_epi16(p, sc));
-                    KEEP_IN_REGISTER(acc[i]);
-                }
-            }
-            const __m512 wd = _mm512_set1_ps(u->d);
-            for (int p = 0; 2 * p < nt; p++) {
-                const int j = 2 * p + 1 < nt ? 2 * p + 1 : 2 * p; /* (unused if absent) */
-                F[p] = pair_epilogue(acc[2 * p], acc[j], _mm512_mul_ps(wd, g[2 * b + p]), F[p]);
-            }
-        }
-        float res[16]; /* token i's in float 4i */
-        _mm512_storeu_ps(res, reduce8_x4(F[0], F[1]));
-        for (int i = 0; i < nt; i++) out[i * out_stride + r] = res[4 * i];
-    }
+    int r = 0;
+    for (; r + 2 <= nrows; r += 2) q6k_rows(buf, nb, r, 2, pair, xp, stride, nt, out, out_stride);
+    if (r < nrows) q6k_rows(buf, nb, r, 1, pair, xp, stride, nt, out, out_stride);
 }
 
 void ms_gemm_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char *xp, int64_t stride, int64_t T,

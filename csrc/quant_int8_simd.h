@@ -192,14 +192,17 @@ typedef struct {
     float pad[6];
 } q4k_unpacked;
 
-/* A gemm without memory for its buffers: the decode kernel token by token (the same numbers). */
+/* A gemm without memory for its buffers: the decode kernel token by token, four rows at a time (the same
+ * numbers). */
 static inline void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t row0, int nrows, const char *xp,
                                   int64_t stride, int64_t T, float *out, int64_t out_stride) {
-    for (int64_t t = 0; t < T; t++) {
-        float tmp[4];
-        dot4(m, row0, nrows, (const float *)(xp + t * stride), tmp);
-        for (int r = 0; r < nrows; r++) out[t * out_stride + r] = tmp[r];
-    }
+    for (int64_t t = 0; t < T; t++)
+        for (int r0 = 0; r0 < nrows; r0 += 4) {
+            const int n = nrows - r0 < 4 ? nrows - r0 : 4;
+            float tmp[4];
+            dot4(m, row0 + r0, n, (const float *)(xp + t * stride), tmp);
+            for (int r = 0; r < n; r++) out[t * out_stride + r0 + r] = tmp[r];
+        }
 }
 
 /* Calls FN(A, B, nrows, xp, stride, nt, out, out_stride) for the tokens of a gemm 4 at a time, then the

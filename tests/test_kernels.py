@@ -135,6 +135,27 @@ def test_q4_k_gemm_same_bits_with_one_or_two_sub_block_pairs_per_vpdpwssd():
         _C.set_q4k_pairs(before)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_q4_k_and_q6_k_gemms_in_tiles_of_16_8_or_4_rows_give_the_scalar_bits(fmt):
+    """The q4_k and q6_k gemms take a thread's run of rows in tiles of 16 rows up to 2048 columns, 8 up to
+    4096 and 4 beyond (ms_gemm_by_tiles), two rows a pass on AVX-512 and a last odd row alone: on every path,
+    at 1 and 3 threads (runs of 37 and of 12-13 rows), every batch gets the scalar kernel's bits."""
+    before = _C.get_isa()
+    try:
+        for cols in (768, 2048, 3072, 4608):
+            w = make_weight(fmt, 37, cols, seed=cols)
+            x = np.random.default_rng(cols).standard_normal((9, cols)).astype(np.float32)
+            _C.set_isa("scalar")
+            ref = w.matmul(x, threads=1)
+            for isa in _C.supported_isas()[1:]:
+                _C.set_isa(isa)
+                for T in (2, 5, 9):
+                    for threads in (1, 3):
+                        assert w.matmul(x[:T], threads=threads).tobytes() == ref[:T].tobytes(), (cols, isa, T)
+    finally:
+        _C.set_isa(before)
+
+
 @pytest.fixture
 def weight_streams():
     before = _C.get_weight_streams(), _C.get_prefetch_level()
@@ -719,7 +740,7 @@ def test_glu_many_equals_each_mlp_alone():
             want = e.down.matmul(e.act(e.gate.matmul(x), e.up.matmul(x)))
             assert y.tobytes() == want.tobytes()
         # into given buffers (rows of one array, as a batched MoE layer passes them), the activations mixed
-        experts[2] = dataclasses.replace(experts[2], act=lambda g, u: np.maximum(g, 0) * u)
+        experts[2] = dataclasses.replace(experts[2], act=lambda g, u, threads=1: np.maximum(g, 0) * u)
         buf = np.full((len(experts) * n, 128), np.nan, np.float32)
         outs = [buf[i * n : (i + 1) * n] for i in range(len(experts))]
         got = glu_many(list(zip(experts, xs, strict=True)), Ctx(threads=2), outs)
