@@ -565,19 +565,20 @@ class MLAttention:
 # ---- feed-forward ---------------------------------------------------------------------------------
 
 
-Glu = Callable[[np.ndarray, np.ndarray], np.ndarray]
+Glu = Callable[[np.ndarray, np.ndarray, int], np.ndarray]  # act(g, u, threads)
 
 
-def silu_glu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+def silu_glu(g: np.ndarray, u: np.ndarray, threads: int = 1) -> np.ndarray:
     """silu(g) * u = g / (1 + exp(-g)) * u (float32 [..., n] each), in one C pass on csrc/exp_f32.h's exp:
     the same bits on every instruction set and thread count, within 3 ulp of the exact value (numpy's
-    five passes took 14-37 us a decode layer)."""
+    five passes took 14-37 us a decode layer). A prefill's activations are split over the threads (the C
+    side keeps one thread for a decode step's few thousand)."""
     g = np.ascontiguousarray(g, dtype=np.float32)
     u = np.ascontiguousarray(u, dtype=np.float32)
     if g.shape != u.shape:
         raise ValueError(f"silu_glu: gate {list(g.shape)} and up {list(u.shape)} differ")
     h = np.empty_like(g)
-    _C.silu_mul(g, u, h, 1)
+    _C.silu_mul(g, u, h, threads)
     return h
 
 
@@ -622,7 +623,7 @@ def glu_one_x(mlps: list[Any], x: np.ndarray, ctx: Ctx, coef: np.ndarray | None 
             [p for i, m in enumerate(mlps) for p in ((m.gate, x, g[i : i + 1]), (m.up, x, u[i : i + 1]))],
             ctx.threads,
         )
-        h = first.act(g, u)  # [n, I]
+        h = first.act(g, u, ctx.threads)  # [n, I]
         ys = np.empty((n, width), np.float32)  # [n, out]
         matmul_many([(m.down, h[i : i + 1], ys[i : i + 1]) for i, m in enumerate(mlps)], ctx.threads)
     if coef is None:
@@ -655,7 +656,7 @@ def glu_many(
         first.append((mlp.gate, x, g_all[end - size : end].reshape(shape)))
         first.append((mlp.up, x, u_all[end - size : end].reshape(shape)))
     matmul_many(first, ctx.threads)
-    h_all = act(g_all, u_all)
+    h_all = act(g_all, u_all, ctx.threads)
     if outs is None:
         outs = [np.empty((x.shape[0], mlp.down.rows), np.float32) for (mlp, _), x in zip(batch, xs, strict=True)]
     second = [

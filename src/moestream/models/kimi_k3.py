@@ -164,10 +164,11 @@ def read_spec(config: dict[str, Any]) -> KimiK3Spec:
 
 
 def situ_glu(beta1: float, beta2: float) -> Glu:
-    """act(g, u) = [b1 tanh(g/b1) * sigmoid(g)] * [b2 tanh(u/b2)]: the sigmoid takes the uncapped g."""
+    """act(g, u) = [b1 tanh(g/b1) * sigmoid(g)] * [b2 tanh(u/b2)]: the sigmoid takes the uncapped g (numpy,
+    on the calling thread whatever the threads)."""
     b1, b2 = np.float32(beta1), np.float32(beta2)
 
-    def act(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    def act(g: np.ndarray, u: np.ndarray, threads: int = 1) -> np.ndarray:
         return ((b1 * np.tanh(g / b1)) * sigmoid(g)) * (b2 * np.tanh(u / b2))
 
     return act
