@@ -159,9 +159,9 @@ static void row_range(int64_t rows, int ith, int nth, int64_t *r0, int64_t *r1) 
     if (*r0 > rows) *r0 = rows;
 }
 
-/* The tiles of ms_gemm_by_tiles: 16 rows up to 2048 columns, 8 up to 4096, else 4, so that a tile's unpacked
- * blocks (~320 bytes a block: 15-40 KB) stay in L1 or near it while every token group reads them, and the
- * work set up once a tile and token group (the group's scales, the row loop) is spread over more rows. Zen 4,
+/* The tiles of ms_gemm_by_tiles: 16 rows up to 2048 columns, 8 up to 4096, else 4, so that the work set up
+ * once a tile and token group (the group's scales, the row loop) is spread over more rows while a tile's
+ * unpacked blocks (~320 bytes a block: 15-41 KB up to 4096 columns) stay in L1 or L2 for every group. Zen 4,
  * kernels_ab.py --tokens 8, two threads, against 4-row tiles: q4_k 768x2048 / 4096x2048 / 2048x768 1.04 / 1.04 /
  * 1.05x, q6_k (two rows a pass since the same commit) 1.16 / 1.06 / 1.09x. */
 void ms_gemm_by_tiles(ms_gemm_fn gemm, const ms_matrix *m, int64_t row0, int64_t nrows, const char *xp, int64_t stride,

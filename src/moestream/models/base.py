@@ -571,8 +571,8 @@ Glu = Callable[[np.ndarray, np.ndarray, int], np.ndarray]  # act(g, u, threads)
 def silu_glu(g: np.ndarray, u: np.ndarray, threads: int = 1) -> np.ndarray:
     """silu(g) * u = g / (1 + exp(-g)) * u (float32 [..., n] each), in one C pass on csrc/exp_f32.h's exp:
     the same bits on every instruction set and thread count, within 3 ulp of the exact value (numpy's
-    five passes took 14-37 us a decode layer). A prefill's activations are split over the threads (the C
-    side keeps one thread for a decode step's few thousand)."""
+    five passes took 14-37 us a decode layer). The values are split over up to `threads` threads where
+    each thread gets 2 k or more of them (ms_threads_for in csrc/threadpool.c)."""
     g = np.ascontiguousarray(g, dtype=np.float32)
     u = np.ascontiguousarray(u, dtype=np.float32)
     if g.shape != u.shape:
