@@ -1,6 +1,7 @@
 /* Matrix products over the format table, threaded over output rows, with runtime ISA dispatch. */
 #include "matmul.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -192,6 +193,8 @@ typedef struct {
     product_job *jobs;
     int n;
     int64_t cost;
+    int64_t chunk;     /* 0: thread ith takes the ith of nth equal shares; else shares of this cost, taken in turn */
+    atomic_llong next; /* the first cost unit of the next share */
 } batch_job;
 
 static void run_tile(const product_job *j, int64_t tile) {
@@ -208,16 +211,22 @@ static void run_tile(const product_job *j, int64_t tile) {
     }
 }
 
-/* Thread ith runs the tiles whose first cost unit lies in [cost * ith / nth, cost * (ith + 1) / nth):
- * contiguous rows of each product, every row computed as it would be alone. */
-static void batch_task(void *ctx, int ith, int nth) {
-    const batch_job *b = ctx;
-    int64_t lo = b->cost * ith / nth, hi = b->cost * (ith + 1) / nth;
-    for (int i = 0; i < b->n; i++) {
+/* The tiles whose first cost unit lies in [lo, hi): contiguous rows of each product, every row computed as
+ * it would be alone. */
+static void run_share(const batch_job *b, int64_t lo, int64_t hi) {
+    int first = 0, last = b->n; /* the first product that ends past lo */
+    while (first < last) {
+        const int mid = (first + last) / 2;
+        const product_job *j = &b->jobs[mid];
+        if (j->cost0 + j->tiles * j->tile_cost <= lo)
+            first = mid + 1;
+        else
+            last = mid;
+    }
+    for (int i = first; i < b->n && b->jobs[i].cost0 < hi; i++) {
         const product_job *j = &b->jobs[i];
         int64_t c = j->tile_cost;
         int64_t end = j->cost0 + j->tiles * c;
-        if (end <= lo || j->cost0 >= hi) continue;
         int64_t k0 = lo <= j->cost0 ? 0 : (lo - j->cost0 + c - 1) / c;
         int64_t k1 = hi >= end ? j->tiles : (hi - j->cost0 + c - 1) / c;
         if (j->rows != NULL && k1 > k0) {
@@ -229,6 +238,22 @@ static void batch_task(void *ctx, int ith, int nth) {
         } else {
             for (int64_t k = k0; k < k1; k++) run_tile(j, k);
         }
+    }
+}
+
+/* Thread ith's share of the batch: the ith of nth equal shares of the cost, or (chunk) shares of chunk cost
+ * units taken in turn while any is left, so that a thread that started late or ran slow takes fewer. Which
+ * thread runs a row changes nothing in it. */
+static void batch_task(void *ctx, int ith, int nth) {
+    batch_job *b = ctx;
+    if (b->chunk == 0) {
+        run_share(b, b->cost * ith / nth, b->cost * (ith + 1) / nth);
+        return;
+    }
+    for (;;) {
+        const int64_t lo = atomic_fetch_add_explicit(&b->next, b->chunk, memory_order_relaxed);
+        if (lo >= b->cost) return;
+        run_share(b, lo, lo + b->chunk < b->cost ? lo + b->chunk : b->cost);
     }
 }
 
@@ -257,13 +282,14 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
         free(owner);
         return -1;
     }
-    int64_t prepared = 0, cost = 0, tiles = 0;
+    int64_t prepared = 0, cost = 0, tiles = 0, max_T = 0;
     for (int i = 0; i < n; i++) {
         const ms_format_traits *f = &ms_formats[p[i].m.fmt];
         product_job *j = &jobs[i];
         prep[i] = f->prep_x[active_isa];
         j->m = &p[i].m;
         j->T = p[i].T;
+        if (p[i].T > max_T) max_T = p[i].T;
         j->out = p[i].out;
         j->dot4 = f->dot4[active_isa];
         j->gemm = p[i].T > 1 ? f->gemm[active_isa] : NULL;
@@ -308,8 +334,13 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
         for (int64_t t = 0; t < p[i].T; t++)
             prep[i](p[i].x + t * p[i].m.cols, p[i].m.cols, (float *)(xp + offset[i] + t * j->stride));
     }
-    batch_job b = {jobs, n, cost};
+    /* Prefill's batches (some product of several tokens) in shares of 1/16 of a thread's: the gemms' speed
+     * per cost unit moves with their token groups, and a worker woken from sleep starts late. Decode's keep
+     * one contiguous share a thread, which the weight streams are laid out over. */
+    batch_job b = {.jobs = jobs, .n = n, .cost = cost};
+    atomic_init(&b.next, 0);
     if (nthreads > tiles) nthreads = (int)tiles;
+    if (max_T > 1 && nthreads > 1) b.chunk = cost / (16 * (int64_t)nthreads) + 1;
     ms_parallel(nthreads < 1 ? 1 : nthreads, batch_task, &b);
     free(xp);
     free(jobs);

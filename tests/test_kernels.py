@@ -237,6 +237,25 @@ def test_matmul_many_equals_each_product_alone(isa):
         assert [out.tobytes() for out in outs] == alone
 
 
+def test_matmul_many_prefill_batch_taken_in_shares_gives_each_product_its_bits():
+    """A batch with products of several tokens (a MoE layer's prefill: many experts, each over its own few
+    tokens) is shared out in small runs of tiles that the threads take in turn, so which thread runs a row
+    varies from call to call: every product still gets the bits it has alone, every row once (out starts as
+    NaN), at 2, 3 and 5 threads, call after call."""
+    rng = np.random.default_rng(6)
+    products = []
+    for i in range(37):
+        fmt = ("q4_k", "q6_k", "q8_0", "bf16")[i % 4]
+        w = make_weight(fmt, int(rng.integers(1, 70)), 512, seed=100 + i)
+        products.append((w, rng.standard_normal((int(rng.integers(1, 10)), 512)).astype(np.float32)))
+    alone = [w.matmul(x, threads=1).tobytes() for w, x in products]
+    for threads in (2, 3, 5):
+        for _ in range(3):
+            outs = [np.full((x.shape[0], w.rows), np.nan, np.float32) for w, x in products]
+            matmul_many([(w, x, out) for (w, x), out in zip(products, outs, strict=True)], threads)
+            assert [out.tobytes() for out in outs] == alone
+
+
 def test_matmul_many_refuses_bad_products():
     w = make_weight("q8_0", 8, 64)
     x = np.zeros((1, 64), np.float32)
