@@ -11,6 +11,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The 8-layer Qwen3-30B-A3B-width Q4_K_M pack that decode.py --llama-cpp writes: token_time.py's and
+# model_ab.py's default model.
+DEFAULT_PACK = Path("/tmp/moestream-bench/qwen3-30b-a3b-L8-q4_k_m")
+
+
+def require_model(path: Path) -> None:
+    """One line and exit 1 when there is no model at path."""
+    if not (path / "config.json").exists():
+        raise SystemExit(f"{path}: no model there (benchmarks/decode.py --llama-cpp SRC writes the default)")
+
+
 def machine() -> str:
     from moestream import _C
     from moestream.doctor import blas_facts, cpu_model

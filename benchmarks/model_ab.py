@@ -27,17 +27,15 @@ from pathlib import Path
 import numpy as np
 
 import moestream
-from common import commit, machine, table
+from common import DEFAULT_PACK, commit, machine, require_model, table
 from kernels_ab import load_build
 from moestream import _C
-
-DEFAULT = Path("/tmp/moestream-bench/qwen3-30b-a3b-L8-q4_k_m")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("builds", nargs="+", help="paths of built extension modules (_C.*.so)")
-    ap.add_argument("--model", type=Path, default=DEFAULT)
+    ap.add_argument("--model", type=Path, default=DEFAULT_PACK)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=30)
@@ -45,8 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     if len(args.builds) < 2:
         raise SystemExit("model_ab.py: give two or more builds")
-    if not (args.model / "config.json").exists():
-        raise SystemExit(f"{args.model}: no model there (benchmarks/decode.py --llama-cpp SRC writes the default)")
+    require_model(args.model)
     loaded: set[str] = set()
     builds = [load_build(path, loaded) for path in args.builds]
     model = moestream.load(args.model, threads=args.threads)

@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 
 import moestream
-from common import commit, machine, table
+from common import DEFAULT_PACK, commit, machine, require_model, table
 from moestream import _C
 
-DEFAULT = Path("/tmp/moestream-bench/qwen3-30b-a3b-L8-q4_k_m")
 PRODUCTS = ("matmul", "matmul_many", "glu_experts")
 
 
@@ -60,15 +59,14 @@ def instrument(stub: bool) -> tuple[Counter[str], Counter[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?", type=Path, default=DEFAULT)
+    ap.add_argument("model", nargs="?", type=Path, default=DEFAULT_PACK)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--stub-products", action="store_true")
     args = ap.parse_args()
-    if not (args.model / "config.json").exists():
-        raise SystemExit(f"{args.model}: no model there (benchmarks/decode.py --llama-cpp SRC writes the default)")
+    require_model(args.model)
     model = moestream.load(args.model, threads=args.threads)
     seconds, calls = instrument(args.stub_products)
     rng = np.random.default_rng(0)
