@@ -22,14 +22,20 @@ def require_model(path: Path) -> None:
         raise SystemExit(f"{path}: no model there (benchmarks/decode.py --llama-cpp SRC writes the default)")
 
 
-def machine() -> str:
+def kernel_path() -> str:
+    """The kernel path in use, with "+gfni" where the nibbles are split with GFNI."""
     from moestream import _C
+
+    return _C.get_isa() + ("+gfni" if _C.uses_gfni() else "")
+
+
+def machine() -> str:
     from moestream.doctor import blas_facts, cpu_model
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     blas = blas_facts()
     return (
-        f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, kernels: {_C.get_isa()}, "
+        f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, kernels: {kernel_path()}, "
         f"numpy BLAS: {blas['library']} {blas['architecture']}"
         + (f" (OPENBLAS_CORETYPE={blas['coretype_env']})" if blas["coretype_env"] else "")
     )

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from common import best_time, commit, machine, read_gbs, table
+from common import best_time, commit, kernel_path, machine, read_gbs, table
 from moestream import _C
 from moestream.quant import FORMATS, Weight, blocks
 from moestream.quant.formats import quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
@@ -75,7 +75,7 @@ def main() -> None:
     print(f"machine: {machine()}\ncommit: {commit()}")
     streams = args.weight_streams or "chosen per product"
     far = "far ones into L2" if args.prefetch_level == 2 else "all into L1"
-    print(f"kernels: {args.isa}, weight streams: {streams}, prefetches: {far}")
+    print(f"kernels: {kernel_path()}, weight streams: {streams}, prefetches: {far}")
     print(f"(L1d {_C.l1d_bytes() // 1024} KB: see ms_weight_streams_for in csrc/matmul.c)\n")
     buf = np.ones(1 << 30, np.uint8)
 

@@ -149,6 +149,8 @@ int ms_use_vnni(void) { return active_level >= MS_LEVEL_AVX512_VNNI; }
 
 int ms_use_vbmi(void) { return active_level >= MS_LEVEL_AVX512_VBMI; }
 
+int ms_use_gfni(void) { return active_level >= MS_LEVEL_AVX512_VBMI && __builtin_cpu_supports("gfni"); }
+
 int ms_use_amx(void) { return active_level >= MS_LEVEL_AMX; }
 
 /* Rows [r0, r1) of thread ith: contiguous, multiples of 4 so that dot4 tiles never straddle. */

@@ -45,6 +45,7 @@ int ms_set_prefetch_level(int level); /* 0; -1 unless level is 1 or 2 */
 long ms_l1d_bytes(void);               /* the L1 data cache per core as the C library reports it; 0 unknown */
 int ms_use_vnni(void);            /* the AVX-512 integer kernels take their VNNI paths */
 int ms_use_vbmi(void);            /* and mxfp4's its VBMI path */
+int ms_use_gfni(void);            /* and (at the VBMI level) GFNI's bit maps for splitting nibbles */
 int ms_use_amx(void);             /* and q4_k's gemm of many tokens its AMX path */
 int ms_amx_usable(void);          /* the CPU has AMX-INT8 and Linux lets this process use it */
 

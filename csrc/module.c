@@ -358,6 +358,12 @@ static PyObject *py_get_isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(level_names[ms_get_level()]);
 }
 
+static PyObject *py_uses_gfni(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyBool_FromLong(ms_use_gfni());
+}
+
 static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     (void)self;
     const char *name;
@@ -1017,6 +1023,8 @@ static PyMethodDef methods[] = {
     {"memread", py_memread, METH_VARARGS, "memread(buffer, threads, streams=1): read every byte, each thread's share as `streams` interleaved runs "
      "(bandwidth baseline); a checksum that does not depend on streams"},
     {"get_isa", py_get_isa, METH_NOARGS, "the kernel path in use (see set_isa)"},
+    {"uses_gfni", py_uses_gfni, METH_NOARGS,
+     "whether the kernels split q4_k, q6_k and int4 nibbles with GFNI (the avx512vbmi path on a CPU that has it)"},
     {"set_isa", py_set_isa, METH_VARARGS,
      "set_isa(name): force scalar, avx2, avx512 (integer kernels without VNNI), avx512vnni, avx512vbmi or amx "
      "(q4_k's gemm of 24 tokens or more with AMX-INT8)"},

@@ -205,18 +205,20 @@ static inline void dot4_per_token(ms_dot4_fn dot4, const ms_matrix *m, int64_t r
         }
 }
 
-/* Calls FN(A, B, nrows, xp, stride, nt, out, out_stride) for the tokens of a gemm 4 at a time, then the
- * last 1..3 together (nt a constant in each call, so the inlined loops unroll). */
-#define TOKEN_GROUPS(FN, A, B)                                                                          \
-    do {                                                                                                \
-        int64_t t_ = 0;                                                                                 \
-        for (; t_ + 4 <= T; t_ += 4) FN(A, B, nrows, xp + t_ * stride, stride, 4, out + t_ * out_stride, out_stride); \
-        switch (T - t_) {                                                                               \
-            case 3: FN(A, B, nrows, xp + t_ * stride, stride, 3, out + t_ * out_stride, out_stride); break; \
-            case 2: FN(A, B, nrows, xp + t_ * stride, stride, 2, out + t_ * out_stride, out_stride); break; \
-            case 1: FN(A, B, nrows, xp + t_ * stride, stride, 1, out + t_ * out_stride, out_stride); break; \
-            default: break;                                                                             \
-        }                                                                                               \
+/* Calls FN(..., nrows, xp, stride, nt, out, out_stride), the leading arguments given after FN, for the
+ * tokens of a gemm 4 at a time, then the last 1..3 together (nt a constant in each call, so the inlined
+ * loops unroll). */
+#define TOKEN_GROUPS(FN, ...)                                                                                  \
+    do {                                                                                                       \
+        int64_t t_ = 0;                                                                                        \
+        for (; t_ + 4 <= T; t_ += 4)                                                                           \
+            FN(__VA_ARGS__, nrows, xp + t_ * stride, stride, 4, out + t_ * out_stride, out_stride);            \
+        switch (T - t_) {                                                                                      \
+            case 3: FN(__VA_ARGS__, nrows, xp + t_ * stride, stride, 3, out + t_ * out_stride, out_stride); break; \
+            case 2: FN(__VA_ARGS__, nrows, xp + t_ * stride, stride, 2, out + t_ * out_stride, out_stride); break; \
+            case 1: FN(__VA_ARGS__, nrows, xp + t_ * stride, stride, 1, out + t_ * out_stride, out_stride); break; \
+            default: break;                                                                                    \
+        }                                                                                                      \
     } while (0)
 
 /* Each thread's buffer of unpacked q4_k tiles (one per file that includes this header) */

@@ -219,6 +219,15 @@ def test_weight_streams_and_prefetch_level_follow_the_l1_and_the_cpu(weight_stre
         assert {_C.weight_streams_for(b, r) for b in (0, 2048, 1 << 20) for r in (0, 1 << 40)} == {n}
 
 
+def test_gfni_nibbles_on_the_vbmi_path_of_a_cpu_that_has_gfni(isa):
+    """q4_k, q6_k and int4 split their nibbles with GFNI on the avx512vbmi path (and amx's, which runs it)
+    where /proc/cpuinfo lists gfni, and with shifts on every other path; the bits are the same either way
+    (test_isas_bit_identical compares the paths)."""
+    with open("/proc/cpuinfo") as f:
+        gfni = "gfni" in f.read().split()
+    assert _C.uses_gfni() == (gfni and isa in ("avx512vbmi", "amx"))
+
+
 def test_matmul_many_equals_each_product_alone(isa):
     """A batch of products over every format, some sharing x (prepared once), some with their own, of
     1 and several tokens, gives each product the bits it gets alone, at any thread count."""

@@ -104,6 +104,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "cores": threads,
         "simd": _C.supported_isas(),
         "kernel_path": _C.get_isa(),
+        "gfni": _C.uses_gfni(),
         "l1d_bytes": _C.l1d_bytes(),
         "narrow_row_streams": _C.weight_streams_for(0),
         "wide_row_streams": _C.weight_streams_for(1 << 20),
@@ -155,9 +156,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     threads = default_threads()
     facts = machine_facts(threads)
-    print(
-        f"cpu: {facts['cpu']}, {threads} cores; kernel paths {', '.join(facts['simd'])} (using {facts['kernel_path']})"
-    )
+    using = facts["kernel_path"] + ("+gfni" if facts["gfni"] else "")
+    print(f"cpu: {facts['cpu']}, {threads} cores; kernel paths {', '.join(facts['simd'])} (using {using})")
     l1 = f"L1d {facts['l1d_bytes'] // 1024} KB" if facts["l1d_bytes"] else "L1d size unknown"
     streams = streams_text(facts["narrow_row_streams"], facts["wide_row_streams"], facts["long_run_streams"])
     far = "far ones into L2" if facts["prefetch_level"] == 2 else "all into L1"
