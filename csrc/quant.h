@@ -172,6 +172,7 @@ void ms_prep_x_q6_k(const float *x, int64_t n, float *xp); /* q8_k + 32 * pair s
 void ms_prep_x_q6_k_avx2(const float *x, int64_t n, float *xp);
 void ms_prep_x_q8_0_avx2(const float *x, int64_t n, float *xp); /* the same bytes, faster */
 void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp);
+void ms_prep_x_q8_k_avx512(const float *x, int64_t n, float *xp); /* q2_k, q3_k, tq2_0: the k2k layout with VNNI */
 void ms_dot4_q8_0_scalar(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q8_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);
 void ms_dot4_q8_0_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out);

@@ -157,11 +157,12 @@ void ms_dot4_fp8_scalar(const ms_matrix *m, int64_t row0, int nrows, const float
      {NULL, PREP_AVX2, NULL}}
 
 /* The GGUF low-bit formats (blocks of 256 against q8_k activations, one dot per block, no gemm): their
- * scalar and AVX2 kernels, and the AVX-512 slot's (the AVX2 kernel until a 512-bit one exists). */
-#define Q8K_ROW(NAME, BYTES, DOT_AVX512)                                                                 \
+ * scalar and AVX2 kernels, and the AVX-512 slot's kernel and activation preparation (the AVX2 ones until a
+ * 512-bit one exists). */
+#define Q8K_ROW(NAME, BYTES, DOT_AVX512, PREP_AVX512)                                                    \
     {#NAME, 256, BYTES, {ms_dot4_##NAME##_scalar, ms_dot4_##NAME##_avx2, DOT_AVX512},                  \
      {ms_dequant_blocks, ms_dequant_blocks, ms_dequant_blocks},                                         \
-     {ms_prep_x_q8_k, ms_prep_x_q8_k_avx2, ms_prep_x_q8_k_avx2}, (int)sizeof(ms_q8_kx)}
+     {ms_prep_x_q8_k, ms_prep_x_q8_k_avx2, PREP_AVX512}, (int)sizeof(ms_q8_kx)}
 
 /* Integer kernels; the AVX-512 slot uses the AVX2 kernel until a 512-bit one exists. */
 const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
@@ -195,10 +196,10 @@ const ms_format_traits ms_formats[MS_NUM_FORMATS] = {
                  {NULL, ms_gemm_q6_k_avx2, ms_gemm_q6_k_avx512},
                  {NULL, ms_rows_q6_k_avx2, ms_rows_q6_k_avx512},
                  {NULL, ms_gemm_rows_q6_k_avx2, ms_gemm_rows_q6_k_avx512}},
-    [MS_Q3_K] = Q8K_ROW(q3_k, 110, ms_dot4_q3_k_avx512),
-    [MS_Q2_K] = Q8K_ROW(q2_k, 84, ms_dot4_q2_k_avx512),
-    [MS_TQ2_0] = Q8K_ROW(tq2_0, 66, ms_dot4_tq2_0_avx512),
-    [MS_TQ1_0] = Q8K_ROW(tq1_0, 54, ms_dot4_tq1_0_avx512),
+    [MS_Q3_K] = Q8K_ROW(q3_k, 110, ms_dot4_q3_k_avx512, ms_prep_x_q8_k_avx512),
+    [MS_Q2_K] = Q8K_ROW(q2_k, 84, ms_dot4_q2_k_avx512, ms_prep_x_q8_k_avx512),
+    [MS_TQ2_0] = Q8K_ROW(tq2_0, 66, ms_dot4_tq2_0_avx512, ms_prep_x_q8_k_avx512),
+    [MS_TQ1_0] = Q8K_ROW(tq1_0, 54, ms_dot4_tq1_0_avx512, ms_prep_x_q8_k_avx2),
     [MS_INT4_G32] = {"int4", 32, 16,
                      {ms_dot4_int4_scalar, ms_dot4_int4_avx2, ms_dot4_int4_avx512},
                      {ms_dequant_int4, ms_dequant_int4, ms_dequant_int4},

@@ -53,7 +53,11 @@ void ms_prep_x_q8_k(const float *x, int64_t n, float *xp) {
             for (int l = 0; l < 16; l++) s += b[i].q[16 * j + l];
             b[i].bsums16[j] = (int16_t)s;
         }
-        for (int j = 0; j < 8; j++) b[i].bsums[j] = (int16_t)(b[i].bsums16[2 * j] + b[i].bsums16[2 * j + 1]);
+        b[i].sum = 0;
+        for (int j = 0; j < 8; j++) {
+            b[i].bsums[j] = (int16_t)(b[i].bsums16[2 * j] + b[i].bsums16[2 * j + 1]);
+            b[i].sum += b[i].bsums[j];
+        }
     }
 }
 

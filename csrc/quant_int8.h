@@ -18,7 +18,8 @@ typedef struct {
     int16_t bsums[8]; /* sums of q per 32 */
     float d;
     int16_t bsums16[16]; /* sums of q per 16 (q2_k's sub-blocks) */
-    float pad[3];
+    int32_t sum;         /* the sum of q (what tq1_0's and tq2_0's -1 takes off), made once per token */
+    float pad[2];
 } ms_q8_kx;              /* 320 bytes per 256 activations */
 
 typedef struct {

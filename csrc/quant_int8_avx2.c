@@ -428,6 +428,7 @@ void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp) {
     const __m256i ones = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < n / 256; i++) {
         quantize_run_avx2(x + 256 * i, 256, &b[i].d, b[i].q);
+        b[i].sum = 0;
         for (int j = 0; j < 8; j++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(b[i].q + 32 * j));
             __m256i w = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), ones16); /* 8 sums of 4: 16 per half */
@@ -439,6 +440,7 @@ void ms_prep_x_q8_k_avx2(const float *x, int64_t n, float *xp) {
             b[i].bsums16[2 * j] = (int16_t)s0;
             b[i].bsums16[2 * j + 1] = (int16_t)s1;
             b[i].bsums[j] = (int16_t)(s0 + s1);
+            b[i].sum += s0 + s1;
         }
     }
 }

@@ -944,9 +944,24 @@ void ms_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const 
  * 4 * 7 * 128); k2k_scaled packs two runs' sums to int16 and multiplies them by their sub-blocks' scales
  * (sc: the 16 scales as int16 in a register's low half; idx: k2k_index(h) for runs 2h, 2h + 1) by
  * vpdpwssd into exact int32 lanes. */
-static inline VNNI __m512i k2k_acts(const ms_q8_kx *x, int j) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + 32 * j))),
-                              _mm256_loadu_si256((const __m256i *)(x->q + 128 + 32 * j)), 1);
+static inline __m512i k2k_acts(const ms_q8_kx *x, int j) { return _mm512_load_si512(x->q + 64 * j); }
+
+/* The q8_k activations of q2_k, q3_k and tq2_0 (their AVX-512 slot): with VNNI in the k2k layout, run j's
+ * 64 bytes (activations 32j..32j+31, then 128 + 32j..) at 64j, so that k2k_acts is one aligned load where
+ * two loads and an insert were; bsums, bsums16 and sum as they are. Without VNNI (the AVX2 kernels) in
+ * order. */
+void ms_prep_x_q8_k_avx512(const float *x, int64_t n, float *xp) {
+    ms_prep_x_q8_k_avx2(x, n, xp);
+    if (!ms_use_vnni()) return;
+    ms_q8_kx *b = (ms_q8_kx *)xp;
+    for (int64_t i = 0; i < n / 256; i++) {
+        const __m512i q0 = _mm512_load_si512(b[i].q), q1 = _mm512_load_si512(b[i].q + 64);
+        const __m512i q2 = _mm512_load_si512(b[i].q + 128), q3 = _mm512_load_si512(b[i].q + 192);
+        _mm512_store_si512(b[i].q, _mm512_shuffle_i64x2(q0, q2, 0x44)); /* 0..31, 128..159 */
+        _mm512_store_si512(b[i].q + 64, _mm512_shuffle_i64x2(q0, q2, 0xEE));
+        _mm512_store_si512(b[i].q + 128, _mm512_shuffle_i64x2(q1, q3, 0x44));
+        _mm512_store_si512(b[i].q + 192, _mm512_shuffle_i64x2(q1, q3, 0xEE));
+    }
 }
 
 static inline __m512i k2k_index(int h) { /* int16 k: run 2h + (k % 8 >= 4) of lane k / 8 */
