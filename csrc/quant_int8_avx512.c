@@ -37,12 +37,14 @@
             ms_dot4_##name##_avx2(m, row0, nrows, xp, out);                                                  \
     }
 
-/* The 32 bytes of two consecutive blocks of a row as the nibbles of both in nibble order: each block's 16
- * bytes twice, the second copy shifted right by 4, masked to 0..15. */
+/* The 32 bytes of two consecutive blocks of a row, each block's 16 bytes twice. */
 static inline __m512i pair_bytes(const uint8_t *w) {
     const __m512i dup = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
     return _mm512_permutexvar_epi64(dup, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)w)));
 }
+
+/* The same as the nibbles of both in nibble order: the second copy of each block shifted right by 4, all
+ * masked to 0..15. */
 typedef __m512i (*pair_nibbles_fn)(const uint8_t *w);
 static inline __m512i pair_nibbles(const uint8_t *w) {
     const __m512i shift = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
