@@ -740,6 +740,14 @@ static inline q6k_consts q6k_make_consts(void) {
     return c;
 }
 
+/* acc + the sums of each pair of products p * sc: madd then add, or with VNNI vpdpwssd in one instruction (the
+ * same sums: none can overflow, q4_k's |acc| <= 256 * 15 * 128 * 63, q6_k's <= 256 * 32 * 128 * 128). */
+typedef __m512i (*pair_sums_fn)(__m512i acc, __m512i p, __m512i sc);
+static inline __m512i madd_add(__m512i acc, __m512i p, __m512i sc) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
+}
+static inline VNNI __m512i dpwssd(__m512i acc, __m512i p, __m512i sc) { return _mm512_dpwssd_epi32(acc, p, sc); }
+
 /* The 6-bit values of chunks 4h, 4h + 1 (v[0]) and 4h + 2, 4h + 3 (v[1]) from the low-bit bytes lo and the
  * high-bit bytes hi (broadcast to both halves): shifts and masks (11 instructions), or with GFNI affine
  * bit maps and a ternary logic (5). Zen 4, one thread, in-process A/B: 2048x768 and 768x2048 in L2
@@ -759,7 +767,8 @@ static inline GFNI void q6k_split_gfni(__m512i lo, __m512i hi, const q6k_consts 
 
 /* One q6_k block w against the token's block x, added to a row's lanes a->f. */
 static inline __attribute__((always_inline)) void q6k_block(const void *consts, const uint8_t *w, const char *xb,
-                                                            row_lanes *a, q6k_split_fn split) {
+                                                            row_lanes *a, q6k_split_fn split,
+                                                            pair_sums_fn add_pairs) {
     const q6k_consts *c = consts;
     const ms_q6_kx *x = (const ms_q6_kx *)xb;
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
@@ -777,7 +786,7 @@ static inline __attribute__((always_inline)) void q6k_block(const void *consts, 
             __m512i p = _mm512_maddubs_epi16(v[k], _mm512_loadu_si512(qx + 32 * ch));
             p = _mm512_sub_epi16(p, _mm512_loadu_si512(x32 + 16 * ch));
             __m512i sc = _mm512_permutexvar_epi16(c->pair[2 * h + k], scales);
-            acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
+            acc = add_pairs(acc, p, sc);
             KEEP_IN_REGISTER(acc);
         }
     }
@@ -786,13 +795,15 @@ static inline __attribute__((always_inline)) void q6k_block(const void *consts, 
 }
 
 static inline void q6k_block_avx512(const void *consts, const uint8_t *w, const char *xb, row_lanes *a) {
-    q6k_block(consts, w, xb, a, q6k_split_shifts);
+    q6k_block(consts, w, xb, a, q6k_split_shifts, madd_add);
 }
-static inline GFNI void q6k_block_gfni(const void *consts, const uint8_t *w, const char *xb, row_lanes *a) {
-    q6k_block(consts, w, xb, a, q6k_split_gfni);
+/* The GFNI path (a CPU with VBMI, so with VNNI too) also adds the products by vpdpwssd (Zen 4, one thread in
+ * L2: 1.04-1.05x). */
+static inline VNNI_GFNI void q6k_block_gfni(const void *consts, const uint8_t *w, const char *xb, row_lanes *a) {
+    q6k_block(consts, w, xb, a, q6k_split_gfni, dpwssd);
 }
 
-static GFNI void dot4_q6_k_gfni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+static VNNI_GFNI void dot4_q6_k_gfni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const q6k_consts c = q6k_make_consts();
     rows_one_stream(m, row0, nrows, (const char *)xp, out, 210, sizeof(ms_q6_kx), next_tile_ahead(m),
                     q6k_block_gfni, q6_k_finish, &c);
@@ -808,7 +819,7 @@ void ms_dot4_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
                     q6k_block_avx512, q6_k_finish, &c);
 }
 
-static GFNI void rows_q6_k_gfni(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
+static VNNI_GFNI void rows_q6_k_gfni(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     const q6k_consts c = q6k_make_consts();
     rows_streams(m, row0, nrows, (const char *)xp, out, 210, sizeof(ms_q6_kx), next_tile_ahead(m),
                  q6k_block_gfni, q6_k_finish, &c);
@@ -839,14 +850,6 @@ static inline q4k_consts q4k_make_consts(void) {
     c.gf = _mm512_setr_epi64(GF_LOW4, GF_LOW4, GF_LOW4, GF_LOW4, GF_HIGH4, GF_HIGH4, GF_HIGH4, GF_HIGH4);
     return c;
 }
-
-/* acc + the sums of each pair of products p * sc: madd then add, or with VNNI vpdpwssd in one instruction (the
- * same sums: none can overflow, |acc| <= 256 * 15 * 128 * 63). */
-typedef __m512i (*pair_sums_fn)(__m512i acc, __m512i p, __m512i sc);
-static inline __m512i madd_add(__m512i acc, __m512i p, __m512i sc) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
-}
-static inline VNNI __m512i dpwssd(__m512i acc, __m512i p, __m512i sc) { return _mm512_dpwssd_epi32(acc, p, sc); }
 
 /* A register of 32 q4_k bytes broadcast to both halves as nibbles: the low ones in the low half, the high
  * ones in the high half; by a shift and a mask, or by one GFNI affine bit map. */
