@@ -57,6 +57,7 @@ int ms_level_supported(ms_level level) {
  * (4 blocks ahead) lost 0-27% by L2 prefetches, as did q4_k 7168x2048 (4.6 KB ahead) on AVX2 (0.9x). Zen
  * 5 (48 KB) reads fastest in one stream with L1 prefetches. */
 static int weight_streams = 0, prefetch_level = 1, intel = 0, small_l1 = 0; /* small_l1: L1d < 48 KB */
+static int has_gfni = 0; /* asked once (ms_init): ms_use_gfni runs at every kernel call */
 static long l1d_bytes = 0;
 
 int ms_weight_streams(void) { return weight_streams; }
@@ -128,6 +129,7 @@ void ms_init(void) {
     if (l1d_bytes < 0) l1d_bytes = 0;
 #endif
     intel = __builtin_cpu_is("intel");
+    has_gfni = __builtin_cpu_supports("gfni");
     small_l1 = l1d_bytes > 0 && l1d_bytes < 48 * 1024;
     prefetch_level = small_l1 ? 2 : 1;
     for (int l = MS_NUM_LEVELS - 1; l >= 0; l--)
@@ -149,7 +151,7 @@ int ms_use_vnni(void) { return active_level >= MS_LEVEL_AVX512_VNNI; }
 
 int ms_use_vbmi(void) { return active_level >= MS_LEVEL_AVX512_VBMI; }
 
-int ms_use_gfni(void) { return active_level >= MS_LEVEL_AVX512_VBMI && __builtin_cpu_supports("gfni"); }
+int ms_use_gfni(void) { return active_level >= MS_LEVEL_AVX512_VBMI && has_gfni; }
 
 int ms_use_amx(void) { return active_level >= MS_LEVEL_AMX; }
 

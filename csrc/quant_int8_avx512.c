@@ -710,6 +710,16 @@ void ms_gemm_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const char
                    grow((void **)&q6k_grp, &q6k_grp_cap, 2 * nb, sizeof(__m512)));
 }
 
+/* A one-token kernel NAME compiled for TARGET: the rows, nrows of type NROWS_T, through DRIVER
+ * (rows_one_stream for a tile, rows_streams for a run of rows) with blocks of BYTES bytes against X_T
+ * activation records, each by BLOCK with the constants MAKE() of type CONSTS_T, prefetched AHEAD bytes on,
+ * and each row's sum by FINISH. */
+#define ONE_TOKEN_KERNEL(name, target, driver, nrows_t, consts_t, make, bytes, x_t, ahead, block, finish)    \
+    static target void name(const ms_matrix *m, int64_t row0, nrows_t nrows, const float *xp, float *out) { \
+        const consts_t c = make();                                                                         \
+        driver(m, row0, nrows, (const char *)xp, out, bytes, sizeof(x_t), ahead, block, finish, &c);       \
+    }
+
 /* q6_k against one token: per half block, the 64 low-bit bytes and the 32 high-bit bytes (twice) give two
  * pairs of 32-value chunks, (low nibbles | 2 high bits << 4) for chunks 4h, 4h + 1 and (high nibbles |
  * ...) for 4h + 2, 4h + 3; then (v - 32) x = maddubs(v, x) - 32 x and madd by the four sub-blocks' scales,
@@ -803,36 +813,22 @@ static inline VNNI_GFNI void q6k_block_gfni(const void *consts, const uint8_t *w
     q6k_block(consts, w, xb, a, q6k_split_gfni, dpwssd);
 }
 
-static VNNI_GFNI void dot4_q6_k_gfni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const q6k_consts c = q6k_make_consts();
-    rows_one_stream(m, row0, nrows, (const char *)xp, out, 210, sizeof(ms_q6_kx), next_tile_ahead(m),
-                    q6k_block_gfni, q6_k_finish, &c);
-}
+/* q6_k's one-token kernels: a tile (rows_one_stream) or a run of rows (rows_streams), the next tile
+ * prefetched at most 8 KB ahead (next_tile_ahead). */
+#define Q6K_KERNEL(name, target, driver, nrows_t, block) \
+    ONE_TOKEN_KERNEL(name, target, driver, nrows_t, q6k_consts, q6k_make_consts, 210, ms_q6_kx, next_tile_ahead(m), \
+                     block, q6_k_finish)
+Q6K_KERNEL(dot4_q6_k_plain, , rows_one_stream, int, q6k_block_avx512)
+Q6K_KERNEL(dot4_q6_k_gfni, VNNI_GFNI, rows_one_stream, int, q6k_block_gfni)
+Q6K_KERNEL(rows_q6_k_plain, , rows_streams, int64_t, q6k_block_avx512)
+Q6K_KERNEL(rows_q6_k_gfni, VNNI_GFNI, rows_streams, int64_t, q6k_block_gfni)
 
 void ms_dot4_q6_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    if (ms_use_gfni()) {
-        dot4_q6_k_gfni(m, row0, nrows, xp, out);
-        return;
-    }
-    const q6k_consts c = q6k_make_consts();
-    rows_one_stream(m, row0, nrows, (const char *)xp, out, 210, sizeof(ms_q6_kx), next_tile_ahead(m),
-                    q6k_block_avx512, q6_k_finish, &c);
-}
-
-static VNNI_GFNI void rows_q6_k_gfni(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
-    const q6k_consts c = q6k_make_consts();
-    rows_streams(m, row0, nrows, (const char *)xp, out, 210, sizeof(ms_q6_kx), next_tile_ahead(m),
-                 q6k_block_gfni, q6_k_finish, &c);
+    (ms_use_gfni() ? dot4_q6_k_gfni : dot4_q6_k_plain)(m, row0, nrows, xp, out);
 }
 
 void ms_rows_q6_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
-    if (ms_use_gfni()) {
-        rows_q6_k_gfni(m, row0, nrows, xp, out);
-        return;
-    }
-    const q6k_consts c = q6k_make_consts();
-    rows_streams(m, row0, nrows, (const char *)xp, out, 210, sizeof(ms_q6_kx), next_tile_ahead(m),
-                 q6k_block_avx512, q6_k_finish, &c);
+    (ms_use_gfni() ? rows_q6_k_gfni : rows_q6_k_plain)(m, row0, nrows, xp, out);
 }
 
 typedef struct {
@@ -864,7 +860,7 @@ static inline GFNI __m512i q4k_nibbles_gfni(__m512i v, const q4k_consts *c) {
 /* One q4_k block w against the token's block x, added to a row's lanes a->f and min lanes a->fmin. The
  * scales are picked for each pair of sub-blocks by a byte shuffle from their 8 bytes in every qword, the
  * high byte of each int16 zeroed (Zen 4, one thread in L2, against a word permute of the widened scales:
- * 1.00-1.02x; on Intel the word permute is two uops). */
+ * 1.00-1.02x). */
 static inline __attribute__((always_inline)) void q4k_block(const void *consts, const uint8_t *w, const char *xb,
                                                             row_lanes *a, pair_sums_fn add_pairs,
                                                             q4k_nibbles_fn nibbles) {
@@ -906,15 +902,12 @@ static inline VNNI_GFNI void q4k_block_gfni(const void *consts, const uint8_t *w
  * sub-blocks' scales; the halves are added at the end of the block: the lanes of ms_dot4_q4_k_avx2, and
  * its epilogue (q4k_block_vnni where the CPU has VNNI, q4k_block_gfni where it has GFNI too). The next tile
  * is prefetched (4 rows ahead). */
-#define Q4K_DOT4(name, target, block)                                                                  \
-    static target void name(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) { \
-        const q4k_consts c = q4k_make_consts();                                                        \
-        rows_one_stream(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes, \
-                        block, q4_k_finish, &c);                                                       \
-    }
-Q4K_DOT4(dot4_q4_k_plain, , q4k_block_avx512)
-Q4K_DOT4(dot4_q4_k_vnni, VNNI, q4k_block_vnni)
-Q4K_DOT4(dot4_q4_k_gfni, VNNI_GFNI, q4k_block_gfni)
+#define Q4K_KERNEL(name, target, driver, nrows_t, block) \
+    ONE_TOKEN_KERNEL(name, target, driver, nrows_t, q4k_consts, q4k_make_consts, 144, ms_q8_kx, 4 * m->row_bytes, \
+                     block, q4_k_finish)
+Q4K_KERNEL(dot4_q4_k_plain, , rows_one_stream, int, q4k_block_avx512)
+Q4K_KERNEL(dot4_q4_k_vnni, VNNI, rows_one_stream, int, q4k_block_vnni)
+Q4K_KERNEL(dot4_q4_k_gfni, VNNI_GFNI, rows_one_stream, int, q4k_block_gfni)
 
 void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
     const ms_dot4_fn f = ms_use_gfni() ? dot4_q4_k_gfni : ms_use_vnni() ? dot4_q4_k_vnni : dot4_q4_k_plain;
@@ -924,15 +917,9 @@ void ms_dot4_q4_k_avx512(const ms_matrix *m, int64_t row0, int nrows, const floa
 /* Xeon Sapphire Rapids, 2 threads, from memory, one -> four streams (kernels.py, alternate runs): q4_k
  * 4096x14336 65-72% -> 62-80% of the read, 7168x2048 69-71% -> 64-80%, 3584x3072 67-75% -> 69-77%; q6_k
  * 68-72% -> 96%, 68-76% -> 92-95%, 69-72% -> 77-85%. */
-#define Q4K_ROWS(name, target, block)                                                                     \
-    static target void name(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) { \
-        const q4k_consts c = q4k_make_consts();                                                           \
-        rows_streams(m, row0, nrows, (const char *)xp, out, 144, sizeof(ms_q8_kx), 4 * m->row_bytes, block, \
-                     q4_k_finish, &c);                                                                    \
-    }
-Q4K_ROWS(rows_q4_k_plain, , q4k_block_avx512)
-Q4K_ROWS(rows_q4_k_vnni, VNNI, q4k_block_vnni)
-Q4K_ROWS(rows_q4_k_gfni, VNNI_GFNI, q4k_block_gfni)
+Q4K_KERNEL(rows_q4_k_plain, , rows_streams, int64_t, q4k_block_avx512)
+Q4K_KERNEL(rows_q4_k_vnni, VNNI, rows_streams, int64_t, q4k_block_vnni)
+Q4K_KERNEL(rows_q4_k_gfni, VNNI_GFNI, rows_streams, int64_t, q4k_block_gfni)
 
 void ms_rows_q4_k_avx512(const ms_matrix *m, int64_t row0, int64_t nrows, const float *xp, float *out) {
     if (ms_use_gfni())
