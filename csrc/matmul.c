@@ -199,7 +199,12 @@ typedef struct {
     int64_t cost;
     int64_t chunk;     /* 0: thread ith takes the ith of nth equal shares; else shares of this cost, taken in turn */
     atomic_llong next; /* the first cost unit of the next share */
+    uint64_t serial;   /* ms_batch_serial */
 } batch_job;
+
+static atomic_ullong batches_begun;
+static _Thread_local uint64_t running_batch;
+uint64_t ms_batch_serial(void) { return running_batch; }
 
 static void run_tile(const product_job *j, int64_t tile) {
     int64_t r = tile * 4;
@@ -233,6 +238,10 @@ static void run_share(const batch_job *b, int64_t lo, int64_t hi) {
         int64_t end = j->cost0 + j->tiles * c;
         int64_t k0 = lo <= j->cost0 ? 0 : (lo - j->cost0 + c - 1) / c;
         int64_t k1 = hi >= end ? j->tiles : (hi - j->cost0 + c - 1) / c;
+        if (j->gemm_rows != NULL) { /* whole runs of 16 rows (AMX's weight tiles); every share rounds alike */
+            k0 = (k0 + 3) / 4 * 4 < j->tiles ? (k0 + 3) / 4 * 4 : j->tiles;
+            k1 = (k1 + 3) / 4 * 4 < j->tiles ? (k1 + 3) / 4 * 4 : j->tiles;
+        }
         if (j->rows != NULL && k1 > k0) {
             const int64_t r0 = 4 * k0, r1 = 4 * k1 < j->m->rows ? 4 * k1 : j->m->rows;
             j->rows(j->m, r0, r1 - r0, (const float *)j->x, j->out + r0);
@@ -250,15 +259,17 @@ static void run_share(const batch_job *b, int64_t lo, int64_t hi) {
  * thread runs a row changes nothing in it. */
 static void batch_task(void *ctx, int ith, int nth) {
     batch_job *b = ctx;
+    running_batch = b->serial;
     if (b->chunk == 0) {
         run_share(b, b->cost * ith / nth, b->cost * (ith + 1) / nth);
-        return;
+    } else {
+        for (;;) {
+            const int64_t lo = atomic_fetch_add_explicit(&b->next, b->chunk, memory_order_relaxed);
+            if (lo >= b->cost) break;
+            run_share(b, lo, lo + b->chunk < b->cost ? lo + b->chunk : b->cost);
+        }
     }
-    for (;;) {
-        const int64_t lo = atomic_fetch_add_explicit(&b->next, b->chunk, memory_order_relaxed);
-        if (lo >= b->cost) return;
-        run_share(b, lo, lo + b->chunk < b->cost ? lo + b->chunk : b->cost);
-    }
+    running_batch = 0; /* its prepared activations are freed after it */
 }
 
 /* The prepared activations of product i may be those of an earlier product j: same tokens, same
@@ -341,7 +352,7 @@ int ms_matmul_many(const ms_product *p, int n, int nthreads) {
     /* Prefill's batches (some product of several tokens) in shares of 1/16 of a thread's: the gemms' speed
      * per cost unit moves with their token groups, and a worker woken from sleep starts late. Decode's keep
      * one contiguous share a thread, which the weight streams are laid out over. */
-    batch_job b = {.jobs = jobs, .n = n, .cost = cost};
+    batch_job b = {.jobs = jobs, .n = n, .cost = cost, .serial = atomic_fetch_add(&batches_begun, 1) + 1};
     atomic_init(&b.next, 0);
     if (nthreads > tiles) nthreads = (int)tiles;
     if (max_T > 1 && nthreads > 1) b.chunk = cost / (16 * (int64_t)nthreads) + 1;

@@ -49,6 +49,11 @@ int ms_use_gfni(void);            /* and (at the VBMI level) GFNI's bit maps for
 int ms_use_amx(void);             /* and q4_k's gemm of many tokens its AMX path */
 int ms_amx_usable(void);          /* the CPU has AMX-INT8 and Linux lets this process use it */
 
+/* The batch of products (one ms_matmul_many call) whose rows the calling thread is running: a number no other batch
+ * of this process has had, so that a gemm may keep what it made of a batch's prepared activations (the AMX token
+ * tiles) from one of its calls on that thread to the next. */
+uint64_t ms_batch_serial(void);
+
 /* out[t, r] = dot(W[r, :], x[t, :]) for t < T, r < rows; x is [T, cols], out is [T, rows]. Threads
  * split the rows; every element has the canonical reduction order, so the result does not depend on
  * nthreads or on T. */

@@ -923,8 +923,8 @@ def test_moe_combine_has_numpy_bits_and_refuses_bad_input():
 def test_amx_gemm_gives_the_scalar_bits(fmt, shape):
     """q4_k's and q6_k's gemms of 24 tokens or more with AMX-INT8 (rows of up to 4096 columns; wider ones
     keep the AVX-512 gemm) give every token the scalar kernel's bits: tile tails of rows (16 at a time) and
-    of tokens (8 at a time), tokens laid out in several runs (137 tokens: 2 runs of groups at 2048 columns,
-    3 at 4096), 1-3 threads, each token as it is alone."""
+    of tokens (8 at a time), tokens laid out in one run or in several (137 tokens: 2 runs of groups at 4096
+    columns), 1-3 threads, each token as it is alone."""
     w = make_weight(fmt, *shape)
     x = np.random.default_rng(6).standard_normal((137, w.cols)).astype(np.float32)
     check_amx_gemm(w, x, shape)
@@ -937,6 +937,35 @@ def test_amx_gemm_gives_the_scalar_bits(fmt, shape):
     else:
         raw[..., 0:4] = factors.view(np.uint8)
     check_amx_gemm(Weight(raw.reshape(shape[0], -1), fmt=fmt), x, shape)
+
+
+@pytest.mark.skipif("amx" not in _C.supported_isas(), reason="this CPU (or its kernel) gives no AMX-INT8")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_amx_batch_gives_each_product_its_own_bits(threads):
+    """A thread keeps the AMX token tiles it laid out for its next call in the same batch (another run of rows
+    of the product, or a product of the same tokens, as an expert's gate and up): in one batch of q4_k and q6_k
+    products, some sharing their tokens and some of as many tokens but others, and in a second batch whose
+    tokens sit where the first's did, every product has the scalar bits it has alone."""
+    ws = [make_weight("q4_k", 80, 768, 1), make_weight("q4_k", 48, 768, 2), make_weight("q6_k", 64, 768, 3)]
+    rng = np.random.default_rng(9)
+    xa, xb = (rng.standard_normal((40, 768)).astype(np.float32) for _ in range(2))
+    before = _C.get_isa()
+    try:
+        for x_first in (xa, xb):
+            x = np.empty((40, 768), np.float32)
+            x[:] = x_first
+            for x_now in (x_first, xa + xb):
+                x[:] = x_now  # the second batch: other tokens at the same address
+                batch = [(ws[0], x), (ws[1], x), (ws[0], xb[:40]), (ws[2], x), (ws[2], xa[:33]), (ws[1], x)]
+                _C.set_isa("scalar")
+                ref = [w.matmul(t, threads=1) for w, t in batch]
+                _C.set_isa("amx")
+                outs = [np.empty((t.shape[0], w.rows), np.float32) for w, t in batch]
+                matmul_many([(w, t, out) for (w, t), out in zip(batch, outs, strict=True)], threads)
+                for i, (out, r) in enumerate(zip(outs, ref, strict=True)):
+                    assert out.tobytes() == r.tobytes(), (i, threads)
+    finally:
+        _C.set_isa(before)
 
 
 def check_amx_gemm(w: Weight, x: np.ndarray, shape: tuple[int, int]) -> None:
