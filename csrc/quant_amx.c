@@ -246,7 +246,7 @@ static void lay_out_rows(const ms_matrix *m, int64_t row0, int nrows, int64_t nb
 /* The 4 lane pairs' tiles of one block of 16 rows (a: the weight tiles) against one group of tokens, into c: per
  * pair, the low bytes' and the high bytes' products against the pair's activation tile. */
 static inline void lane_tiles(const int8_t a[4][2][16][64], const amx_xblock *x, int32_t c[4][2][16][16]) {
-for (int p = 0; p < 4; p++) {
+    for (int p = 0; p < 4; p++) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_loadd(4, x->b[p], 64);
@@ -491,6 +491,7 @@ static void gemm_rows_amx(int q6, const ms_matrix *m, int64_t row0, int64_t nrow
                              grow((void **)&wbuf6, &wcap6, nb, sizeof(amx_block6))
                        : grow((void **)&wbuf, &wcap, nb, sizeof(amx_block)));
     if (!ok) {
+        laid = (laid_out){0}; /* a buffer may have been let go */
         ms_gemm_by_tiles(q6 ? ms_gemm_q6_k_avx512 : ms_gemm_q4_k_avx512, m, row0, nrows, xp, stride, T, out,
                          out_stride);
         return;
