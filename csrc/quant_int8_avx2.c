@@ -622,7 +622,8 @@ void ms_prep_x_q6_k_avx2(const float *x, int64_t n, float *xp) {
 /* tq2_0: each 32 bytes of 2-bit values shifted by 0, 2, 4, 6 give four runs of 32 values (0..2), each
  * multiplied by maddubs against its 32 activations (int16 pair sums, |.| <= 508; eight of them added in
  * int16, |.| <= 4064), then widened by madd. */
-static inline int32_t tq2_0_block(const uint8_t *w, const ms_q8_kx *x) {
+static inline __m256i tq2_0_block(const uint8_t *w, const ms_q8_kx *x, __m256i *mins) { /* lanes, less sum(a) */
+    *mins = _mm256_setzero_si256(); /* none */
     const __m256i m3 = _mm256_set1_epi8(3);
     __m256i acc = _mm256_setzero_si256();
     for (int j = 0; j < 2; j++) {
@@ -633,11 +634,11 @@ static inline int32_t tq2_0_block(const uint8_t *w, const ms_q8_kx *x) {
             acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, a));
         }
     }
-    return sum_epi32(_mm256_madd_epi16(acc, _mm256_set1_epi16(1))) - q8k_sum(x);
+    return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
 }
 
 void ms_dot4_tq2_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    Q8K_ROWS(66, 64, tq2_0_block(w, xb));
+    Q8K_ROWS4(66, 64, 0, __m256i, sums4_256, sum_epi32, tq2_0_block, -q8k_sum(xb));
 }
 
 /* tq1_0's trits: byte v's trit j is floor(3 t / 256) for t the low byte of v * 3^j, that is [t > 85] +
@@ -654,7 +655,8 @@ static inline __m256i times3(__m256i t) { return _mm256_add_epi8(t, _mm256_add_e
  * 16, two at a time (the high half one trit ahead); the last 4 (qh), four runs of 4 together (byte k of
  * run j at 4j + k); maddubs against the activations as for tq2_0 (|.| <= 5588 in int16). In cache, one
  * thread: 4.3 GB/s with the trits made by 16-bit multiplies, 5.7 with byte adds and compares. */
-static inline int32_t tq1_0_block(const uint8_t *w, const ms_q8_kx *x) {
+static inline __m256i tq1_0_block(const uint8_t *w, const ms_q8_kx *x, __m256i *mins) { /* lanes, less sum(a) */
+    *mins = _mm256_setzero_si256(); /* none */
     const int8_t *a = x->q;
     __m256i t = _mm256_loadu_si256((const __m256i *)w);
     /* bytes 32..47 in the low half, and in the high half the same one step on (trit j + 1) */
@@ -676,54 +678,46 @@ static inline int32_t tq1_0_block(const uint8_t *w, const ms_q8_kx *x) {
     const __m256i th = _mm256_zextsi128_si256(tq1_qh_bytes(w));
     const __m256i ah = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(a + 240)));
     acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(trit256(th), ah));
-    return sum_epi32(_mm256_madd_epi16(acc, _mm256_set1_epi16(1))) - q8k_sum(x);
+    return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
 }
 
 void ms_dot4_tq1_0_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    Q8K_ROWS(54, 52, tq1_0_block(w, xb));
+    Q8K_ROWS4(54, 52, 0, __m256i, sums4_256, sum_epi32, tq1_0_block, -q8k_sum(xb));
 }
 
 /* q2_k (ms_dot4_q2_k_scalar's sums): the 2-bit values lie as tq2_0's, each run of 32 being sub-blocks 2c
  * and 2c + 1; maddubs against the activations, then madd by the two sub-blocks' scales (pick_word, the
  * scales reordered even ones first as for q6_k), and the mins by madd against the 16 bsums16. */
-void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = next_tile_ahead(m);
-    const int l2 = ms_prefetch_into_l2(ahead);
+static inline __m256i q2_k_lanes_avx2(const uint8_t *w, const ms_q8_kx *x, __m256i *mins) {
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int r = 0; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f = 0.0f, g = 0.0f;
-        for (int64_t b = 0; b < nb; b++, w += 84) {
-            prefetch_ahead(w, ahead, 84, l2);
-            const __m128i s8 = _mm_loadu_si128((const __m128i *)w);
-            const __m256i sc = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_and_si128(s8, low4), even_odd));
-            const __m256i mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4));
-            __m256i acc = _mm256_setzero_si256();
-            for (int n = 0; n < 2; n++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * n));
-                for (int j = 0; j < 4; j++) {
-                    const int c = 4 * n + j;
-                    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m3);
-                    const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x[b].q + 32 * c)));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pick_word(sc, c)));
-                }
-            }
-            const int32_t s = sum_epi32(acc);
-            const int32_t mins = sum_epi32(_mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)x[b].bsums16)));
-            f = fmaf((float)s, h2f(w + 80) * x[b].d, f);
-            g = fmaf((float)mins, h2f(w + 82) * x[b].d, g);
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)w);
+    const __m256i sc = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_and_si128(s8, low4), even_odd));
+    const __m256i mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4));
+    __m256i acc = _mm256_setzero_si256();
+    for (int n = 0; n < 2; n++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * n));
+        for (int j = 0; j < 4; j++) {
+            const int c = 4 * n + j;
+            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m3);
+            const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x->q + 32 * c)));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pick_word(sc, c)));
         }
-        out[r] = f - g;
     }
+    *mins = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)x->bsums16));
+    return acc;
+}
+
+void ms_dot4_q2_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
+    Q8K_ROWS4(84, 80, 82, __m256i, sums4_256, sum_epi32, q2_k_lanes_avx2, 0);
 }
 
 /* q3_k (ms_dot4_q3_k_scalar's sums): each run of 32 values u = (2 low bits, as q2_k's) | (the hmask bit
  * << 2), 0..7, by maddubs against the activations (|.| <= 1778) and madd by the sub-blocks' signed scales;
  * the -4 comes off as 4 * sum of scale * sum(a) per 16 (the bsums16). */
-static inline int32_t q3_k_block(const uint8_t *w, const ms_q8_kx *x) {
+static inline __m256i q3_k_block(const uint8_t *w, const ms_q8_kx *x, __m256i *mins) {
+    *mins = _mm256_setzero_si256(); /* none */
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     const __m128i s8 = q3k_scales(w + 96);
@@ -741,10 +735,11 @@ static inline int32_t q3_k_block(const uint8_t *w, const ms_q8_kx *x) {
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pick_word(scp, c)));
         }
     }
-    const int32_t bs = sum_epi32(_mm256_madd_epi16(scn, _mm256_loadu_si256((const __m256i *)x->bsums16)));
-    return sum_epi32(acc) - 4 * bs;
+    /* less 4 * the sum of scale * bsum, as lanes: the lanes' sum is the block's */
+    const __m256i bs = _mm256_madd_epi16(scn, _mm256_loadu_si256((const __m256i *)x->bsums16));
+    return _mm256_sub_epi32(acc, _mm256_slli_epi32(bs, 2));
 }
 
 void ms_dot4_q3_k_avx2(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    Q8K_ROWS(110, 108, q3_k_block(w, xb));
+    Q8K_ROWS4(110, 108, 0, __m256i, sums4_256, sum_epi32, q3_k_block, 0);
 }

@@ -973,10 +973,10 @@ static inline VNNI __m512i k2k_scaled(__m512i acc, __m512i u0, __m512i u1, const
 }
 
 /* q2_k with VNNI (ms_dot4_q2_k_scalar's sums; the mins as in AVX2). In cache, one thread, 1024x3072: 15.4
- * GB/s (the AVX2 kernel) -> 20.3. Four rows at a time as Q8K_ROWS4 (below), the sums and the mins each reduced by
- * sums4: in L2 1.21-1.22x, from memory at two threads 1.19 / 1.16 / 1.10x (4096x14336 / 7168x2048 / 3584x3072).
+ * GB/s (the AVX2 kernel) -> 20.3. Four rows at a time as Q8K_ROWS4 (quant_int8_simd.h), the sums and the mins each
+ * reduced by sums4_512: in L2 1.21-1.22x, from memory at two threads 1.19 / 1.16 / 1.10x (4096x14336 / 7168x2048 / 3584x3072).
  * Without VNNI the AVX2 kernel. q2_k_lanes: one block's lanes of scale * sum, and its 8 lanes of mins * bsums. */
-static inline VNNI __m512i q2_k_lanes(const uint8_t *w, const ms_q8_kx *x, const __m512i idx[2], __m256i *mins) {
+static inline VNNI __m512i q2_k_lanes(const uint8_t *w, const ms_q8_kx *x, const __m512i idx[2], __m512i *mins) {
     const __m512i m3 = _mm512_set1_epi8(3);
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m128i s8 = _mm_loadu_si128((const __m128i *)w);
@@ -987,106 +987,26 @@ static inline VNNI __m512i q2_k_lanes(const uint8_t *w, const ms_q8_kx *x, const
     for (int h = 0; h < 2; h++)
         acc = k2k_scaled(acc, _mm512_and_si512(_mm512_srli_epi16(v, 4 * h), m3),
                          _mm512_and_si512(_mm512_srli_epi16(v, 4 * h + 2), m3), x, h, idx[h], sc);
-    *mins = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)x->bsums16));
+    *mins = _mm512_castsi256_si512(_mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)x->bsums16)));
     return acc;
 }
 
-/* The sums of four vectors' 16 lanes each, in lanes 0, 4, 8, 12 (exact integers: any order gives them) */
-static inline VNNI __m512i sums4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
-    const __m512i t01 = _mm512_add_epi32(_mm512_shuffle_i64x2(a0, a1, 0x44), _mm512_shuffle_i64x2(a0, a1, 0xEE));
-    const __m512i t23 = _mm512_add_epi32(_mm512_shuffle_i64x2(a2, a3, 0x44), _mm512_shuffle_i64x2(a2, a3, 0xEE));
+/* The exact sums of four vectors of int32 lanes a[0..3] into s[0..3] (integers: any order gives them). */
+static inline VNNI void sums4_512(const __m512i a[4], int32_t s[4]) {
+    const __m512i t01 = _mm512_add_epi32(_mm512_shuffle_i64x2(a[0], a[1], 0x44), _mm512_shuffle_i64x2(a[0], a[1], 0xEE));
+    const __m512i t23 = _mm512_add_epi32(_mm512_shuffle_i64x2(a[2], a[3], 0x44), _mm512_shuffle_i64x2(a[2], a[3], 0xEE));
     __m512i u = _mm512_add_epi32(_mm512_shuffle_i64x2(t01, t23, 0x88), _mm512_shuffle_i64x2(t01, t23, 0xDD));
     u = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, 0x4E));
-    return _mm512_add_epi32(u, _mm512_shuffle_epi32(u, 0xB1));
+    u = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, 0xB1)); /* a[i]'s sum in lane 4i */
+    _mm_storeu_si128((__m128i *)s, _mm512_castsi512_si128(_mm512_permutexvar_epi32(
+                                       _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), u)));
 }
 
-/* Q8K_ROWS (quant_int8_simd.h) four rows at a time, their blocks' exact sums reduced together (sums4): LANES_EXPR, a
- * block's integer lanes, and CORR_EXPR, an integer added to their sum, for the block at w against xb; then each
- * row's f = fmaf(sum, d * d(x), f) in block order, as there (rows past the last four, one at a time as there).
- * Each block's activations serve the four rows, and each row asks for its block four rows on (the next tile)
- * with no 8 KB cap: on wide rows 8 KB fell inside the four rows being read. Model-167 Xeon against one row at a
- * time (kernels_ab.py, 4096x14336 / 7168x2048 / 3584x3072, two threads from memory): q3_k 1.57 / 1.04 / 1.33x,
- * tq2_0 1.29 / 1.02 / 1.07x, tq1_0 1.14 / 1.11 / 1.13x; in L2, one thread, q3_k 1.21x, tq2_0 1.23-1.25x. */
-#define Q8K_ROWS4(BYTES, D_AT, LANES_EXPR, CORR_EXPR)                                                   \
-    do {                                                                                                \
-        const ms_q8_kx *x_ = (const ms_q8_kx *)xp;                                                      \
-        const int64_t nb_ = m->cols / 256, ahead_ = 4 * m->row_bytes; /* the next four rows' block */  \
-        const int l2_ = ms_prefetch_into_l2(ahead_);                                                    \
-        int r_ = 0;                                                                                     \
-        for (; r_ + 4 <= nrows; r_ += 4) {                                                              \
-            const uint8_t *w0_ = m->data + (row0 + r_) * m->row_bytes;                                  \
-            float f_[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                     \
-            for (int64_t b_ = 0; b_ < nb_; b_++) {                                                      \
-                const ms_q8_kx *xb = &x_[b_];                                                           \
-                __m512i a_[4];                                                                          \
-                int32_t c_[4], s_[16];                                                                  \
-                for (int i_ = 0; i_ < 4; i_++) {                                                        \
-                    const uint8_t *w = w0_ + i_ * m->row_bytes + b_ * (BYTES);                          \
-                    prefetch_ahead(w, ahead_, (BYTES), l2_);                                            \
-                    a_[i_] = (LANES_EXPR);                                                              \
-                    c_[i_] = (CORR_EXPR);                                                               \
-                }                                                                                       \
-                _mm512_storeu_si512(s_, sums4(a_[0], a_[1], a_[2], a_[3]));                             \
-                for (int i_ = 0; i_ < 4; i_++)                                                          \
-                    f_[i_] = fmaf((float)(s_[4 * i_] + c_[i_]),                                         \
-                                  h2f(w0_ + i_ * m->row_bytes + b_ * (BYTES) + (D_AT)) * xb->d, f_[i_]);  \
-            }                                                                                           \
-            for (int i_ = 0; i_ < 4; i_++) out[r_ + i_] = f_[i_];                                       \
-        }                                                                                               \
-        for (; r_ < nrows; r_++) {                                                                      \
-            const uint8_t *w = m->data + (row0 + r_) * m->row_bytes;                                    \
-            float f1_ = 0.0f;                                                                           \
-            for (int64_t b_ = 0; b_ < nb_; b_++, w += (BYTES)) {                                        \
-                const ms_q8_kx *xb = &x_[b_];                                                           \
-                prefetch_ahead(w, ahead_, (BYTES), l2_);                                                \
-                const int32_t s1_ = _mm512_reduce_add_epi32(LANES_EXPR) + (CORR_EXPR);                  \
-                f1_ = fmaf((float)s1_, h2f(w + (D_AT)) * xb->d, f1_);                                   \
-            }                                                                                           \
-            out[r_] = f1_;                                                                              \
-        }                                                                                               \
-    } while (0)
-
 static VNNI void q2_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    const ms_q8_kx *x = (const ms_q8_kx *)xp;
-    const int64_t nb = m->cols / 256, ahead = 4 * m->row_bytes; /* the next four rows' block */
-    const int l2 = ms_prefetch_into_l2(ahead);
     const __m512i idx[2] = {k2k_index(0), k2k_index(1)};
-    int r = 0;
-    for (; r + 4 <= nrows; r += 4) { /* four rows at a time, their blocks' sums and mins reduced together */
-        const uint8_t *w0 = m->data + (row0 + r) * m->row_bytes;
-        float f[4] = {0.0f, 0.0f, 0.0f, 0.0f}, g[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int64_t b = 0; b < nb; b++) {
-            __m512i a[4], mn[4];
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *w = w0 + i * m->row_bytes + b * 84;
-                prefetch_ahead(w, ahead, 84, l2);
-                __m256i mins;
-                a[i] = q2_k_lanes(w, &x[b], idx, &mins);
-                mn[i] = _mm512_castsi256_si512(mins);
-            }
-            int32_t s[16], t[16];
-            _mm512_storeu_si512(s, sums4(a[0], a[1], a[2], a[3]));
-            _mm512_storeu_si512(t, sums4(mn[0], mn[1], mn[2], mn[3]));
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *w = w0 + i * m->row_bytes + b * 84;
-                f[i] = fmaf((float)s[4 * i], h2f(w + 80) * x[b].d, f[i]);
-                g[i] = fmaf((float)t[4 * i], h2f(w + 82) * x[b].d, g[i]);
-            }
-        }
-        for (int i = 0; i < 4; i++) out[r + i] = f[i] - g[i];
-    }
-    for (; r < nrows; r++) {
-        const uint8_t *w = m->data + (row0 + r) * m->row_bytes;
-        float f = 0.0f, g = 0.0f;
-        for (int64_t b = 0; b < nb; b++, w += 84) {
-            prefetch_ahead(w, ahead, 84, l2);
-            __m256i mn;
-            const __m512i acc = q2_k_lanes(w, &x[b], idx, &mn);
-            f = fmaf((float)_mm512_reduce_add_epi32(acc), h2f(w + 80) * x[b].d, f);
-            g = fmaf((float)sum_epi32(mn), h2f(w + 82) * x[b].d, g);
-        }
-        out[r] = f - g;
-    }
+#define Q2K_LANES(w, x, mins) q2_k_lanes(w, x, idx, mins)
+    Q8K_ROWS4(84, 80, 82, __m512i, sums4_512, _mm512_reduce_add_epi32, Q2K_LANES, 0);
+#undef Q2K_LANES
 }
 
 /* q3_k with VNNI (ms_dot4_q3_k_scalar's sums): u = the 2 low bits (as q2_k's) + 4 where the hmask bit is
@@ -1094,7 +1014,8 @@ static VNNI void q2_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
  * scales; the -4 comes off as 4 * sum of scale * sum(a) per 16, as in AVX2. In cache, one thread, 1024x3072:
  * 12.8 GB/s (the AVX2 kernel) -> 19.9. Without VNNI the AVX2 kernel. */
 static inline VNNI __m512i q3_k_block_vnni(const uint8_t *w, const ms_q8_kx *x, const __m512i idx[2],
-                                            const __m512i bit[4]) {
+                                            const __m512i bit[4], __m512i *mins) {
+    *mins = _mm512_setzero_si512(); /* none */
     const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
     const __m256i scn = _mm256_cvtepi8_epi16(q3k_scales(w + 96));
     const __m512i sc = _mm512_castsi256_si512(scn);
@@ -1117,7 +1038,9 @@ static VNNI void q3_k_vnni(const ms_matrix *m, int64_t row0, int nrows, const fl
     __m512i bit[4];
     for (int j = 0; j < 4; j++)
         bit[j] = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)), _mm256_set1_epi8((char)(1 << (4 + j))), 1);
-    Q8K_ROWS4(110, 108, q3_k_block_vnni(w, xb, idx, bit), 0);
+#define Q3K_LANES(w, x, mins) q3_k_block_vnni(w, x, idx, bit, mins)
+    Q8K_ROWS4(110, 108, 0, __m512i, sums4_512, _mm512_reduce_add_epi32, Q3K_LANES, 0);
+#undef Q3K_LANES
 }
 
 VNNI_OR_AVX2(q3_k)
@@ -1126,7 +1049,8 @@ VNNI_OR_AVX2(q2_k)
 /* tq2_0 with VNNI (ms_dot4_tq2_0_scalar's sums): the block's 64 bytes of 2-bit values in one register,
  * shifted by 0, 2, 4, 6, each run of 64 values against activations 32l..32l+31 (low half) and 128 + 32l..
  * (high half, k2k_acts), by vpdpbusd into exact int32 lanes. Without VNNI the AVX2 kernel. */
-static inline VNNI __m512i tq2_0_block_vnni(const uint8_t *w, const ms_q8_kx *x) {
+static inline VNNI __m512i tq2_0_block_vnni(const uint8_t *w, const ms_q8_kx *x, __m512i *mins) {
+    *mins = _mm512_setzero_si512(); /* none */
     const __m512i v = _mm512_loadu_si512(w);
     __m512i acc = _mm512_setzero_si512();
     for (int l = 0; l < 4; l++)
@@ -1136,7 +1060,7 @@ static inline VNNI __m512i tq2_0_block_vnni(const uint8_t *w, const ms_q8_kx *x)
 }
 
 static VNNI void tq2_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    Q8K_ROWS4(66, 64, tq2_0_block_vnni(w, xb), -q8k_sum(xb));
+    Q8K_ROWS4(66, 64, 0, __m512i, sums4_512, _mm512_reduce_add_epi32, tq2_0_block_vnni, -q8k_sum(xb));
 }
 
 /* tq1_0's trits of the bytes t (ms_dot4_tq1_0_avx2: [t > 85] + [t > 170], t the low byte of v * 3^j) in the
@@ -1156,7 +1080,8 @@ static inline VNNI __m512i times3_512(__m512i t) { return _mm512_add_epi8(t, _mm
  * meet activations 224..255 in one 256-bit register; all by vpdpbusd into exact int32 lanes. One thread,
  * kernels.py: 5.3-6.2 GB/s (the AVX2 kernel) -> 7.7-8.0, two threads 12 -> 15 (a trit made by compares
  * into masks or by saturating subtractions: the same). Without VNNI the AVX2 kernel. */
-static inline VNNI __m512i tq1_0_block_vnni(const uint8_t *w, const ms_q8_kx *x) {
+static inline VNNI __m512i tq1_0_block_vnni(const uint8_t *w, const ms_q8_kx *x, __m512i *mins) {
+    *mins = _mm512_setzero_si512(); /* none */
     const __mmask64 all = ~(__mmask64)0, low = 0xFFFFFFFFull, hi32 = ~low;
     const __mmask64 lanes123 = ~(__mmask64)0xFFFF, lanes23 = ~(__mmask64)0xFFFFFFFF, lane3 = ~(__mmask64)0xFFFFFFFFFFFFull;
     const int8_t *a = x->q;
@@ -1183,7 +1108,7 @@ static inline VNNI __m512i tq1_0_block_vnni(const uint8_t *w, const ms_q8_kx *x)
 }
 
 static VNNI void tq1_0_vnni(const ms_matrix *m, int64_t row0, int nrows, const float *xp, float *out) {
-    Q8K_ROWS4(54, 52, tq1_0_block_vnni(w, xb), -q8k_sum(xb));
+    Q8K_ROWS4(54, 52, 0, __m512i, sums4_512, _mm512_reduce_add_epi32, tq1_0_block_vnni, -q8k_sum(xb));
 }
 
 VNNI_OR_AVX2(tq1_0)
