@@ -19,7 +19,8 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t ahead, int nbytes, i
     for (int o = 0; o < nbytes; o += 64) prefetch_line(p + ahead + o, l2);
 }
 
-/* The same, no more than 8 KB ahead (q6_k and the low-bit formats, against q8_k records): with a token's
+/* The same, no more than 8 KB ahead (q6_k's decode, against q6_k records; the low-bit formats' kernels, which read
+ * four rows at once, ask four rows on whatever the width: Q8K_ROWS4): with a token's
  * activations (q6_k: 576 bytes per 256 columns, 32 KB at 14336) and a farther window, the lines prefetched
  * leave L1 before they are read (q6_k, one thread, 4096x14336 from memory: 47 KB ahead 20.5 GB/s, 10-16 KB
  * 23-25, 8 KB 30, 6 KB 31; 3584x3072, 10 KB -> 8 KB: 87-89% -> 91-93% of the read). */
