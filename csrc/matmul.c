@@ -220,6 +220,9 @@ static void run_tile(const product_job *j, int64_t tile) {
     }
 }
 
+/* k rounded up to a multiple of 4, at most `tiles` */
+static inline int64_t up_to_4(int64_t k, int64_t tiles) { return (k + 3) / 4 * 4 < tiles ? (k + 3) / 4 * 4 : tiles; }
+
 /* The tiles whose first cost unit lies in [lo, hi): contiguous rows of each product, every row computed as
  * it would be alone. */
 static void run_share(const batch_job *b, int64_t lo, int64_t hi) {
@@ -239,8 +242,8 @@ static void run_share(const batch_job *b, int64_t lo, int64_t hi) {
         int64_t k0 = lo <= j->cost0 ? 0 : (lo - j->cost0 + c - 1) / c;
         int64_t k1 = hi >= end ? j->tiles : (hi - j->cost0 + c - 1) / c;
         if (j->gemm_rows != NULL) { /* whole runs of 16 rows (AMX's weight tiles); every share rounds alike */
-            k0 = (k0 + 3) / 4 * 4 < j->tiles ? (k0 + 3) / 4 * 4 : j->tiles;
-            k1 = (k1 + 3) / 4 * 4 < j->tiles ? (k1 + 3) / 4 * 4 : j->tiles;
+            k0 = up_to_4(k0, j->tiles);
+            k1 = up_to_4(k1, j->tiles);
         }
         if (j->rows != NULL && k1 > k0) {
             const int64_t r0 = 4 * k0, r1 = 4 * k1 < j->m->rows ? 4 * k1 : j->m->rows;

@@ -974,8 +974,9 @@ static inline VNNI __m512i k2k_scaled(__m512i acc, __m512i u0, __m512i u1, const
 
 /* q2_k with VNNI (ms_dot4_q2_k_scalar's sums; the mins as in AVX2). In cache, one thread, 1024x3072: 15.4
  * GB/s (the AVX2 kernel) -> 20.3. Four rows at a time as Q8K_ROWS4 (quant_int8_simd.h), the sums and the mins each
- * reduced by sums4_512: in L2 1.21-1.22x, from memory at two threads 1.19 / 1.16 / 1.10x (4096x14336 / 7168x2048 / 3584x3072).
- * Without VNNI the AVX2 kernel. q2_k_lanes: one block's lanes of scale * sum, and its 8 lanes of mins * bsums. */
+ * reduced by sums4_512: in L2 1.21-1.22x, from memory at two threads 1.19 / 1.16 / 1.10x (4096x14336 / 7168x2048 /
+ * 3584x3072). Without VNNI the AVX2 kernel. q2_k_lanes: one block's lanes of scale * sum, and its 8 lanes of
+ * mins * bsums. */
 static inline VNNI __m512i q2_k_lanes(const uint8_t *w, const ms_q8_kx *x, const __m512i idx[2], __m512i *mins) {
     const __m512i m3 = _mm512_set1_epi8(3);
     const __m128i low4 = _mm_set1_epi8(0x0F);
@@ -993,8 +994,11 @@ static inline VNNI __m512i q2_k_lanes(const uint8_t *w, const ms_q8_kx *x, const
 
 /* The exact sums of four vectors of int32 lanes a[0..3] into s[0..3] (integers: any order gives them). */
 static inline VNNI void sums4_512(const __m512i a[4], int32_t s[4]) {
-    const __m512i t01 = _mm512_add_epi32(_mm512_shuffle_i64x2(a[0], a[1], 0x44), _mm512_shuffle_i64x2(a[0], a[1], 0xEE));
-    const __m512i t23 = _mm512_add_epi32(_mm512_shuffle_i64x2(a[2], a[3], 0x44), _mm512_shuffle_i64x2(a[2], a[3], 0xEE));
+    /* t01: a[0]'s 256-bit halves added in its low half, a[1]'s in its high half; t23 likewise */
+    const __m512i t01 = _mm512_add_epi32(_mm512_shuffle_i64x2(a[0], a[1], 0x44),
+                                         _mm512_shuffle_i64x2(a[0], a[1], 0xEE));
+    const __m512i t23 = _mm512_add_epi32(_mm512_shuffle_i64x2(a[2], a[3], 0x44),
+                                         _mm512_shuffle_i64x2(a[2], a[3], 0xEE));
     __m512i u = _mm512_add_epi32(_mm512_shuffle_i64x2(t01, t23, 0x88), _mm512_shuffle_i64x2(t01, t23, 0xDD));
     u = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, 0x4E));
     u = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, 0xB1)); /* a[i]'s sum in lane 4i */

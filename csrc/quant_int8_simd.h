@@ -54,8 +54,9 @@ static inline void sums4_256(const __m256i a[4], int32_t s[4]) {
 /* The rows of a q8_k format whose block sum is one exact integer and one chain (tq2_0, tq1_0, q3_k), or two (q2_k:
  * its mins, over dmin): in a kernel with the dot4 parameters (m, row0, nrows, xp, out), for each row and each block
  * of BYTES bytes at w (against the activations xb), S = the sum of the block's integer lanes LANES(w, xb, &mins) (a
- * VEC) plus CORR_EXPR, and f = fmaf(S, d * d(x), f) in block order, d the f16 at w + D_AT; with MIN_AT, also g =
- * fmaf(sum of mins' lanes, dmin * d(x), g), dmin the f16 at w + MIN_AT, and the row's result f - g.
+ * VEC) plus CORR_EXPR (an integer of the activations xb alone), and f = fmaf(S, d * d(x), f) in block order, d the
+ * f16 at w + D_AT; with MIN_AT, also g = fmaf(sum of mins' lanes, dmin * d(x), g), dmin the f16 at w + MIN_AT, and
+ * the row's result f - g.
  * Four rows go at a time: each block's activations serve the four, SUMS4(lanes[4], s[4]) reduces their sums
  * together where each block had its own horizontal reduction (REDUCE, still that of the rows past the last four),
  * and each row asks for its block four rows on (the next tile) with no 8 KB cap (next_tile_ahead's): on wide rows
@@ -74,19 +75,19 @@ static inline void sums4_256(const __m256i a[4], int32_t s[4]) {
             float f_[4] = {0.0f, 0.0f, 0.0f, 0.0f}, g_[4] = {0.0f, 0.0f, 0.0f, 0.0f};                   \
             for (int64_t b_ = 0; b_ < nb_; b_++) {                                                      \
                 const ms_q8_kx *xb = &x_[b_];                                                           \
+                const int32_t c_ = (CORR_EXPR);                                                         \
                 VEC a_[4], mn_[4];                                                                      \
-                int32_t c_[4], s_[4], t_[4];                                                            \
+                int32_t s_[4], t_[4];                                                                   \
                 for (int i_ = 0; i_ < 4; i_++) {                                                        \
                     const uint8_t *w = w0_ + i_ * m->row_bytes + b_ * (BYTES);                          \
                     prefetch_ahead(w, ahead_, (BYTES), l2_);                                            \
                     a_[i_] = LANES(w, xb, &mn_[i_]);                                                    \
-                    c_[i_] = (CORR_EXPR);                                                               \
                 }                                                                                       \
                 SUMS4(a_, s_);                                                                          \
                 if (MIN_AT) SUMS4(mn_, t_);                                                             \
                 for (int i_ = 0; i_ < 4; i_++) {                                                        \
                     const uint8_t *w = w0_ + i_ * m->row_bytes + b_ * (BYTES);                          \
-                    f_[i_] = fmaf((float)(s_[i_] + c_[i_]), h2f(w + (D_AT)) * xb->d, f_[i_]);           \
+                    f_[i_] = fmaf((float)(s_[i_] + c_), h2f(w + (D_AT)) * xb->d, f_[i_]);               \
                     if (MIN_AT) g_[i_] = fmaf((float)t_[i_], h2f(w + (MIN_AT)) * xb->d, g_[i_]);        \
                 }                                                                                       \
             }                                                                                           \
