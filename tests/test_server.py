@@ -1,10 +1,13 @@
 """The OpenAI-compatible server, started on loopback inside the test and spoken to with the official
 `openai` client: the same tokens as `moestream run` (completions and chat, streaming and not), usage
-counts, 8 concurrent clients, malformed requests and 4xx errors in OpenAI's shape."""
+counts, 8 concurrent clients, malformed requests and 4xx errors in OpenAI's shape. Liveness: clients
+that leave are dropped, 64 concurrent streams complete while /health answers, half-sent requests time
+out, a signal ends a real `serve` process with requests in flight; every error is JSON, mid-stream too."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -16,14 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
 
 import moestream
-from moestream.server import Engine, create_app
+from moestream.server import Engine, make_server
 from test_cli import ENV, cli
 
 NAME = "demo"
 CTX = 256
+HEADER_TIMEOUT = 2.0
 
 
 def free_port() -> int:
@@ -37,7 +40,7 @@ def server():
     model = moestream.load()
     engine = Engine(model, NAME, ctx=CTX, max_tokens=64)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    srv = make_server(engine, "127.0.0.1", port, header_timeout=HEADER_TIMEOUT)
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     url = f"http://127.0.0.1:{port}"
@@ -207,3 +210,304 @@ def test_serve_command_starts_and_answers(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---- liveness: the engine never waits on a client -------------------------------------------------
+
+LONG_PROMPT = "def f(x):"  # the demo model writes well past 64 tokens after it, greedy, without an end of text
+
+
+class CountedStream:
+    """A TextStream that counts the pieces the engine took from it."""
+
+    def __init__(self, stream):
+        self.stream, self.pieces = stream, 0
+
+    def __iter__(self):
+        for piece in self.stream:
+            self.pieces += 1
+            yield piece
+
+    @property
+    def finish_reason(self):
+        return self.stream.finish_reason
+
+
+@pytest.fixture
+def runs(server, monkeypatch):
+    """Every generation the engine starts from now on: (prompt ids, CountedStream)."""
+    model, started = server[1].model, []
+    real = model.complete
+
+    def complete(prompt, *args, **kwargs):
+        counted = CountedStream(real(prompt, *args, **kwargs))
+        started.append((list(prompt), counted))
+        return counted
+
+    monkeypatch.setattr(model, "complete", complete)
+    return started
+
+
+def health(url: str) -> dict:
+    r = http("GET", url + "/health", timeout=10)
+    assert r.status_code == 200
+    return r.json()
+
+
+def wait_until(condition, what: str, seconds: float = 30) -> None:
+    """A guard against hangs: condition() must come true within a generous bound."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        time.sleep(0.05)
+
+
+def engine_idle(url: str) -> bool:
+    h = health(url)
+    return h["queued"] == 0 and h["running"] == 0
+
+
+def raw_post(url: str, obj: object) -> socket.socket:
+    """A request sent on a socket of our own, left unread (to close it while the server works)."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(obj).encode()
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return s
+
+
+def test_an_abandoned_stream_is_dropped_and_the_next_request_answered(server, client, runs):
+    url = server[0]
+    stream = client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=64, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    stream.close()
+    quick = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    r = quick.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+    assert len(runs) == 2 and runs[0][1].pieces < 64  # cancelled, not run to its 64 tokens
+    wait_until(lambda: engine_idle(url), "the engine is idle")
+
+
+def test_a_non_streaming_client_that_leaves_is_dropped_running_or_queued(server, client, runs):
+    url = server[0]
+    ahead = client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=64, temperature=0, stream=True)
+    next(iter(ahead))  # the engine is busy with this one
+    queued = raw_post(url, {"model": NAME, "prompt": "def queued():", "max_tokens": 64, "temperature": 0})
+    wait_until(lambda: health(url)["queued"] == 1, "the second request is queued")
+    queued.close()
+    ahead.close()
+    running = raw_post(url, {"model": NAME, "prompt": LONG_PROMPT, "max_tokens": 64, "temperature": 0})
+    wait_until(lambda: len(runs) == 2 and runs[1][1].pieces > 0, "the third request runs")
+    running.close()
+    wait_until(lambda: engine_idle(url), "the engine is idle")
+    assert len(runs) == 2  # the queued request whose client left never ran
+    assert runs[1][1].pieces < 64  # the running one was cancelled
+    assert client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
+
+
+def test_64_concurrent_streams_complete_and_health_answers_throughout(server, client):
+    url = server[0]
+    prompts = [f"def g{i}(x):" for i in range(8)]
+
+    def stream_text(prompt: str) -> str:
+        s = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in s if c.choices)
+
+    alone = {p: stream_text(p) for p in prompts}
+    done, polls = threading.Event(), []
+
+    def poll_health() -> None:
+        while not done.is_set():
+            polls.append(health(url))
+            time.sleep(0.2)
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    try:
+        with ThreadPoolExecutor(64) as pool:
+            got = list(pool.map(stream_text, [prompts[i % 8] for i in range(64)]))
+    finally:
+        done.set()
+        poller.join(timeout=30)
+    assert got == [alone[prompts[i % 8]] for i in range(64)]
+    assert polls and all(p["status"] == "ok" for p in polls)
+    assert max(p["queued"] for p in polls) > 0  # health answered while requests were waiting
+
+
+# ---- errors: always JSON in OpenAI's shape --------------------------------------------------------
+
+
+def test_negative_seed_and_lone_surrogates_are_400s_naming_the_field(server, client):
+    url = server[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, seed=-1)
+    assert e.value.param == "seed"
+    r = post(url + "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2, "seed": 2**64})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    r = http("POST", url + "/v1/completions", b'{"model": "demo", "prompt": "x", "repetition_penalty": Infinity}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+    cases = [
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {"prompt": ["\udfff"]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, "stop"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud83d"}]}, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages.0.content",
+        ),
+    ]
+    for path, fields, param in cases:
+        r = post(url + path, {"model": NAME, "max_tokens": 2, **fields})  # json.dumps escapes it: "\ud800"
+        assert r.status_code == 400, (fields, r.body)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param
+        assert "surrogate" in err["message"]
+
+
+def test_unknown_routes_wrong_methods_and_docs_get_json_errors(server):
+    url = server[0]
+    for path in ("/v1/nothing", "/openapi.json", "/docs", "/redoc"):
+        r = http("GET", url + path)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", path
+    r = http("GET", url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_docs_are_served_when_asked(server):
+    from fastapi.testclient import TestClient
+
+    from moestream.server import create_app
+
+    with TestClient(create_app(server[1], docs=True)) as c:
+        assert c.get("/openapi.json").json()["info"]["title"] == "moestream"
+        assert c.get("/docs").status_code == 200
+
+
+def test_an_unexpected_exception_is_a_500_in_json_without_a_traceback(server, client, monkeypatch):
+    model = server[1].model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("internal detail /secret/path")
+
+    for where in ("complete", "tokenize"):  # in the engine's thread; while making the job
+        with monkeypatch.context() as m:
+            m.setattr(model, where, broken)
+            r = post(server[0] + "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 500, where
+        assert r.json()["error"]["type"] == "server_error"
+        assert b"Traceback" not in r.body and b"/secret/path" not in r.body
+    assert client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
+
+
+def test_an_integrity_error_mid_stream_ends_it_with_an_error_event(server, client, monkeypatch):
+    def failing_read(*args, **kwargs):
+        yield "first"
+        yield " second"
+        raise moestream.errors.IntegrityError("experts.bin: checksum mismatch at offset 4096")
+
+    monkeypatch.setattr(server[1].model, "complete", failing_read)
+    texts = []
+    with pytest.raises(openai.APIError, match=r"integrity check failed: experts\.bin") as e:
+        for chunk in client.completions.create(model=NAME, prompt="x", max_tokens=8, stream=True):
+            texts.append(chunk.choices[0].text)
+    assert texts == ["first", " second"] and e.value.type == "server_error"
+    with pytest.raises(openai.InternalServerError, match="integrity check failed") as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=8)
+    assert e.value.status_code == 500
+    monkeypatch.undo()
+    assert client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
+
+
+# ---- connections and the process --------------------------------------------------------------------
+
+
+def test_connections_that_do_not_send_a_whole_request_are_closed(server):
+    host, port = server[0].removeprefix("http://").split(":")
+    partial = [
+        b"",  # nothing at all
+        b"GET /hea",  # half a request line
+        b"GET /health HTTP/1.1\r\nHost: x\r\n",  # headers never ended
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",  # a body never ended
+    ]
+    socks = []
+    for data in partial:
+        s = socket.create_connection((host, int(port)), timeout=HEADER_TIMEOUT + 30)
+        s.sendall(data)
+        socks.append(s)
+    s = socket.create_connection((host, int(port)), timeout=HEADER_TIMEOUT + 30)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    while not s.recv(4096).endswith(b"}"):  # the whole response (a short JSON body)
+        pass
+    s.sendall(b"GET /hea")  # then half of the next request on the kept-alive connection
+    partial.append(b"after a response: GET /hea")
+    socks.append(s)
+    for s, data in zip(socks, partial, strict=True):
+        with s:
+            try:
+                assert s.recv(1024) == b"", data  # closed by the server, not answered
+            except ConnectionResetError:
+                pass
+    assert health(server[0])["status"] == "ok"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_ends_the_requests_in_flight_and_the_server_exits_0(sig):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moestream.cli", "serve", "--port", str(port), "--model-name", "m", "--docs"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    try:
+        wait_until(lambda: _answers(url + "/health"), "the server answers", seconds=120)
+        assert http("GET", url + "/openapi.json").status_code == 200  # --docs
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        first_chunk, outcomes = threading.Event(), {}
+
+        def streaming(i: int) -> None:
+            try:
+                for _ in c.completions.create(model="m", prompt=LONG_PROMPT, max_tokens=1000, stream=True):
+                    first_chunk.set()
+            except openai.APIError as e:
+                outcomes[i] = e
+
+        def whole() -> None:
+            try:
+                c.completions.create(model="m", prompt=LONG_PROMPT, max_tokens=1000)
+            except openai.APIError as e:
+                outcomes["whole"] = e
+
+        threads = [threading.Thread(target=streaming, args=(i,)) for i in range(2)]
+        threads.append(threading.Thread(target=whole))
+        for t in threads:
+            t.start()
+        assert first_chunk.wait(60)
+        wait_until(lambda: health(url)["queued"] == 2, "two requests wait behind the first")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        for t in threads:
+            t.join(timeout=30)
+            assert not t.is_alive()
+        for i in range(2):
+            assert isinstance(outcomes[i], openai.APIError) and outcomes[i].code == "server_shutting_down"
+        assert isinstance(outcomes["whole"], openai.InternalServerError) and outcomes["whole"].status_code == 503
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return http("GET", url, timeout=1).status_code == 200
+    except OSError:
+        return False

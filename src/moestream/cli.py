@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="an OpenAI-compatible HTTP server",
         description="Serve /v1/models, /v1/completions, /v1/chat/completions (streaming or not) and /health. "
-        "Requests are served one at a time, in arrival order.",
+        "Requests are served one at a time, in arrival order; a client that leaves is dropped. SIGTERM or "
+        "SIGINT ends the requests in flight (with an error saying so) and exits 0.",
     )
     v.add_argument("model", nargs="?", help="checkpoint directory; omitted: the embedded default model")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -192,6 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model-name", help="the model id clients use (default: the directory name)")
     v.add_argument("--ctx", type=_int_at_least(1), default=4096, help="most tokens per request, prompt + reply")
     v.add_argument("--max-tokens", type=_int_at_least(1), default=1024, help="most tokens a request may generate")
+    v.add_argument(
+        "--header-timeout",
+        type=_float_in(0.1, 3600),
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request (headers and body) has not arrived whole in this time (default 10)",
+    )
+    v.add_argument(
+        "--keep-alive-timeout",
+        type=_float_in(1, 3600),
+        default=5.0,
+        metavar="SECONDS",
+        help="close a keep-alive connection idle this long (default 5)",
+    )
+    v.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     add_threads_arg(v)
     add_memory_args(v)
 

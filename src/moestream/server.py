@@ -1,30 +1,67 @@
 """`moestream serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 /v1/models, /v1/completions and /v1/chat/completions, streaming (server-sent events) or not, with
-`usage` counts; /health. One model, one request computing at a time: concurrent requests wait their
-turn in arrival order (a fair lock), and a request that fails leaves the server as it was. Errors have
-OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status for anything the
-client can fix (malformed JSON, unknown model, a prompt beyond the context, too many tokens)."""
+`usage` counts; /health, with the number of jobs queued and running.
+
+The engine never waits on a client. One engine thread owns the model and runs jobs in arrival order;
+each job sends its events (text pieces, then the end or an error) to its request's asyncio queue with
+loop.call_soon_threadsafe. The HTTP side is async throughout, so a waiting request holds no thread and
+no lock, and /health answers at all times. A client that goes away (closes its stream, or drops a
+non-streaming request) cancels its job: the engine checks between text pieces and drops it, and skips
+a queued job whose client has left.
+
+Connections: a request must arrive whole (headers and body) within --header-timeout seconds of the
+connection being ready for it, or the connection is closed (uvicorn has no such timeout of its own);
+an idle keep-alive connection is closed after --keep-alive-timeout seconds (or --header-timeout, if
+that is shorter).
+
+Errors are always JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: a 4xx for
+what the client can fix (malformed JSON, an unknown model or route, a wrong method, a negative seed, a
+lone surrogate in text, a prompt beyond the context, too many tokens, any InputError from the model or
+tokenizer), a 500 `server_error` otherwise (an IntegrityError says so; anything unexpected is logged
+and answered without its traceback). An error after a stream has begun ends it with one
+`data: {"error": {...}}` event and no [DONE].
+
+SIGTERM or SIGINT: the server stops accepting connections and ends every job at once, queued or
+running: a stream gets an error event with code `server_shutting_down` and is closed, a non-streaming
+request gets a 503 with that code (a cut-short text is never passed off as a whole answer); then the
+process exits with code 0. /docs, /redoc and /openapi.json exist only with --docs."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
+import logging
+import math
+import signal
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.requests import Request  # at module level: FastAPI resolves the routes' annotations here
 
 from .chat import ChatTemplate, load_template
-from .errors import InputError, MoeStreamError
+from .errors import InputError, IntegrityError, MoeStreamError
 from .generate import GenerationStats, Model
 from .sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SHUTTING_DOWN = "server_shutting_down"
+# Once the jobs are ended, responses finish at once; this bounds only clients too slow to read them.
+GRACEFUL_SHUTDOWN_SECONDS = 5
+# A running job stops before its next text piece; a long prefill cannot be interrupted.
+ENGINE_STOP_SECONDS = 30
+
+log = logging.getLogger("moestream.server")
 
 
 class ApiError(Exception):
@@ -34,15 +71,64 @@ class ApiError(Exception):
 
     @property
     def kind(self) -> str:
+        if self.status >= 500:
+            return "server_error"
         return {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", code=SHUTTING_DOWN)
 
+
+def as_api_error(e: BaseException) -> ApiError:
+    """What the client is told about an exception: its own fault (400), failed data (500, saying so), or an
+    unexpected error (500, logged here with its traceback, which the client never sees)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, InputError):
+        return ApiError(400, str(e))
+    if isinstance(e, IntegrityError):
+        return ApiError(500, f"integrity check failed: {e}", code="integrity_error")
+    if isinstance(e, MoeStreamError):
+        return ApiError(500, str(e))
+    log.error("unexpected error while serving a request", exc_info=e)
+    return ApiError(500, f"the server had an error while processing the request ({type(e).__name__})")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string, or one inside lists and dicts, holds a lone surrogate: JSON can carry one
+    ("\\ud800") but it is not text, and UTF-8 cannot encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list | tuple):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return False
+
+
+class _Body(BaseModel):
+    """A request body: unknown fields ignored, numbers finite, strings valid Unicode (else a 400 naming the
+    field)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # JSON as Python reads it allows NaN
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if _has_lone_surrogate(value):
+            raise ValueError("the text holds a lone surrogate (such as \\ud800), which is not valid Unicode")
+        return value
+
+
+class _Sampling(_Body):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
@@ -52,7 +138,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)  # the sampler's generator takes an unsigned 64-bit seed
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -83,9 +169,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -96,24 +180,64 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
 
 
+# ---- what the engine sends a request ---------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    text: str
+
+
+@dataclass
+class Finished:
+    stats: GenerationStats
+    finish_reason: str | None
+
+
+@dataclass
+class Failed:
+    error: ApiError
+
+
+Event = Piece | Finished | Failed
+
+
+def _nowhere(_: Event) -> None:
+    pass
+
+
 @dataclass
 class Job:
     prompt: list[int]
     max_tokens: int
     sampling: SamplingParams
+    # where the engine's thread sends this job's events (given by Engine.submit)
+    sink: Callable[[Event], object] = _nowhere
+    # set when nobody wants the events any more: the client left, or the server is stopping
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: Event) -> None:
+        try:
+            self.sink(event)
+        except RuntimeError:  # the request's event loop is closed: nobody is listening
+            self.cancelled.set()
 
 
 class Engine:
-    """The model behind a fair lock: one generation at a time, in the order requests arrived."""
+    """The model and the one thread that runs its jobs, in arrival order, each feeding its own sink, so
+    the engine never waits on a client. One job runs at a time; batching several sequences a step
+    (issue 44) would make _run_one step every running job by a token in turn."""
 
     def __init__(self, model: Model, name: str, ctx: int, max_tokens: int):
         self.model, self.name, self.ctx, self.max_tokens = model, name, ctx, max_tokens
         self.template: ChatTemplate = load_template(model)
-        self._lock = threading.Lock()
-        self._turn = threading.Condition(self._lock)
-        self._next_ticket = 0
-        self._serving = 0
         self.created = int(time.time())
+        self._changed = threading.Condition()  # guards the three below
+        self._queue: deque[Job] = deque()
+        self._running: Job | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._work, name="moestream-engine", daemon=True)
+        self._thread.start()
 
     # ---- requests into jobs ----------------------------------------------------------------------
 
@@ -167,7 +291,10 @@ class Engine:
         else:
             if isinstance(p, list) and len(p) != 1:
                 raise ApiError(400, "a batch of prompts is not supported; send one prompt", "prompt")
-            ids = self.model.tokenize(str(p[0] if isinstance(p, list) else p))
+            try:
+                ids = self.model.tokenize(str(p[0] if isinstance(p, list) else p))
+            except InputError as e:
+                raise ApiError(400, str(e), "prompt") from None
         return self._job(ids, req.max_tokens, sampling, DEFAULT_MAX_TOKENS, "prompt")
 
     def chat_job(self, req: ChatRequest) -> Job:
@@ -192,52 +319,197 @@ class Engine:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return self._job(ids, max_tokens, sampling, None, "messages")
 
-    # ---- running ---------------------------------------------------------------------------------
+    # ---- the queue -------------------------------------------------------------------------------
 
-    def _acquire(self) -> None:
-        with self._turn:
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            while self._serving != ticket:
-                self._turn.wait()
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
 
-    def _release(self) -> None:
-        with self._turn:
-            self._serving += 1
-            self._turn.notify_all()
+    @property
+    def running(self) -> int:
+        return 0 if self._running is None else 1
 
-    def run(self, job: Job) -> Iterator[tuple[str, GenerationStats, str | None]]:
-        """(text piece, stats, finish_reason once known) as they come; waits for its turn first."""
-        self._acquire()
+    def submit(self, job: Job, sink: Callable[[Event], object]) -> None:
+        """Queues the job; its events go to sink, called from the engine's thread."""
+        with self._changed:
+            if self._stopping:
+                raise _shutting_down()
+            job.sink = sink
+            self._queue.append(job)
+            self._changed.notify()
+
+    def stop(self) -> None:
+        """Refuses new jobs and ends every queued and running one now, from the caller's thread: their
+        clients are told at once, without waiting for the running job's next piece."""
+        with self._changed:
+            self._stopping = True
+            ending = [*self._queue, *([self._running] if self._running is not None else [])]
+            self._queue.clear()
+            self._changed.notify()
+        for job in ending:
+            job.cancelled.set()
+            job.emit(Failed(_shutting_down()))
+
+    def join(self, timeout: float) -> bool:
+        """Whether the engine's thread ended (after stop) within timeout seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- the engine's thread ---------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while (job := self._next_job()) is not None:
+            self._run_one(job)
+
+    def _next_job(self) -> Job | None:
+        """The oldest job whose client is still there; waits for one; None once stopping."""
+        with self._changed:
+            self._running = None
+            while not self._stopping:
+                while self._queue:
+                    job = self._queue.popleft()
+                    if not job.cancelled.is_set():
+                        self._running = job
+                        return job
+                self._changed.wait()
+            return None
+
+    def _run_one(self, job: Job) -> None:
+        stats = GenerationStats()
         try:
-            stats = GenerationStats()
             stream = self.model.complete(job.prompt, job.max_tokens, sampling=job.sampling, stats=stats)
             for piece in stream:
-                yield piece, stats, None
-            yield "", stats, stream.finish_reason
-        finally:
-            self._release()
+                if job.cancelled.is_set():
+                    return  # the stream's generators are closed as they go out of scope
+                job.emit(Piece(piece))
+            if not job.cancelled.is_set():
+                job.emit(Finished(stats, stream.finish_reason))
+        except Exception as e:  # the job fails; the engine goes on with the next
+            job.emit(Failed(as_api_error(e)))
 
 
-def _usage(stats: GenerationStats) -> dict[str, int]:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-    }
+# ---- the HTTP side ---------------------------------------------------------------------------------
 
 
-def create_app(engine: Engine) -> Any:
-    from fastapi import FastAPI, Request
+class _Listener:
+    """One job's events, carried from the engine's thread into this request's event loop. Once nobody
+    holds the listener (a response dropped before it began), its job is cancelled."""
+
+    def __init__(self, engine: Engine, job: Job):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        self.job, self._events = job, events
+        engine.submit(job, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        weakref.finalize(self, job.cancelled.set)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The job's events up to and including the last (Finished or Failed)."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if not isinstance(event, Piece):
+                return
+
+    def cancel(self) -> None:
+        self.job.cancelled.set()
+
+
+async def _prepare(make_job: Callable[[Any], Job], req: _Sampling) -> Job:
+    """The request's job, made in a worker thread (rendering and tokenizing a long prompt is time the event
+    loop must not lose); any failure becomes an ApiError."""
+    from starlette.concurrency import run_in_threadpool
+
+    try:
+        return await run_in_threadpool(make_job, req)
+    except Exception as e:
+        raise as_api_error(e) from None
+
+
+async def _sse_stream(
+    listener: _Listener,
+    chunks: Callable[[Piece | Finished], list[dict[str, Any]]],
+    usage: Callable[[GenerationStats], dict[str, Any]] | None,
+    opening: list[dict[str, Any]],
+) -> AsyncIterator[str]:
+    """The job's events as server-sent events; an error ends the stream with an error event and no
+    [DONE]. Starlette cancels this generator when the client leaves, and the job with it."""
+    try:
+        for chunk in opening:
+            yield _sse(chunk)
+        async for event in listener.events():
+            if isinstance(event, Failed):
+                yield _sse(event.error.body())
+                return
+            for chunk in chunks(event):
+                yield _sse(chunk)
+            if isinstance(event, Finished) and usage is not None:
+                yield _sse(usage(event.stats))
+        yield "data: [DONE]\n\n"
+    finally:
+        listener.cancel()
+
+
+async def _whole(request: Request, listener: _Listener) -> tuple[str, Finished]:
+    """The job's whole text and its end; raises its error. A client that leaves first cancels the job."""
+    collecting = asyncio.ensure_future(_collect(listener))
+    leaving = asyncio.ensure_future(_client_left(request))
+    try:
+        done, _ = await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        leaving.cancel()
+        if not collecting.done():
+            collecting.cancel()
+    if collecting in done:
+        return collecting.result()
+    raise ApiError(499, "the client closed the request")  # nginx's code; no one is there to read it
+
+
+async def _collect(listener: _Listener) -> tuple[str, Finished]:
+    text = ""
+    async for event in listener.events():
+        if isinstance(event, Piece):
+            text += event.text
+        elif isinstance(event, Finished):
+            return text, event
+        else:
+            raise event.error
+    raise AssertionError("a job's events end with Finished or Failed")
+
+
+async def _client_left(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(engine: Engine, docs: bool = False) -> Any:
+    """The FastAPI app; /docs, /redoc and /openapi.json only if docs."""
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    app = FastAPI(title="moestream", version="0.1.0")
+    class ErrorResponse(JSONResponse):
+        """An error as JSON, escaped to ASCII: a message may quote what the client sent."""
+
+        def render(self, content: Any) -> bytes:
+            return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+    def respond(e: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return ErrorResponse(e.body(), status_code=e.status, headers=headers)
+
+    app = FastAPI(
+        title="moestream",
+        version="0.1.0",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return respond(e)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -248,95 +520,96 @@ def create_app(engine: Engine) -> Any:
             msg, loc = "the request body is not valid JSON", []
         else:
             msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(ApiError(400, msg, ".".join(loc) or None).body(), status_code=400)
+        return respond(ApiError(400, msg, ".".join(loc) or None))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return respond(ApiError(e.status_code, str(e.detail)), e.headers)  # 405 keeps its Allow header
 
-    @app.exception_handler(MoeStreamError)
-    async def engine_error(_: Request, e: MoeStreamError) -> JSONResponse:
-        status = 400 if isinstance(e, InputError) else 500
-        body = ApiError(status, str(e)).body()
-        if status == 500:
-            body["error"]["type"] = "server_error"
-        return JSONResponse(body, status_code=status)
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        return respond(as_api_error(e))
 
     @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok", "model": engine.name}
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": engine.name, "queued": engine.queued, "running": engine.running}
 
     @app.get("/v1/models")
-    def list_models() -> dict[str, Any]:
+    async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(engine)]}
 
     @app.get("/v1/models/{model_id}")
-    def get_model(model_id: str) -> dict[str, Any]:
+    async def get_model(model_id: str) -> dict[str, Any]:
         if model_id != engine.name:
             raise ApiError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
         return _model_card(engine)
 
     @app.post("/v1/completions", response_model=None)
-    def completions(req: CompletionRequest) -> Any:
-        job = engine.completion_job(req)
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        job = await _prepare(engine.completion_job, req)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": engine.name}
+        listener = _Listener(engine, job)
         if req.stream:
-            usage_wanted = bool((req.stream_options or {}).get("include_usage"))
 
-            def events() -> Iterator[str]:
-                stats = GenerationStats()
-                for piece, st, finish in engine.run(job):
-                    stats = st
-                    if piece or finish:
-                        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
-                        yield _sse({**base, "choices": [choice]})
-                if usage_wanted:
-                    yield _sse({**base, "choices": [], "usage": _usage(stats)})
-                yield "data: [DONE]\n\n"
+            def chunks(event: Piece | Finished) -> list[dict[str, Any]]:
+                text, finish = (event.text, None) if isinstance(event, Piece) else ("", event.finish_reason)
+                return [{**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}]
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-        text, stats, finish = _collect(engine.run(job))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**base, "choices": [choice], "usage": _usage(stats)}
+            events = _sse_stream(listener, chunks, _usage_chunk(base, req), [])
+            return StreamingResponse(events, media_type="text/event-stream")
+        text, end = await _whole(request, listener)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
+        return {**base, "choices": [choice], "usage": _usage(end.stats)}
 
     @app.post("/v1/chat/completions", response_model=None)
-    def chat_completions(req: ChatRequest) -> Any:
-        job = engine.chat_job(req)
+    async def chat_completions(req: ChatRequest, request: Request) -> Any:
+        job = await _prepare(engine.chat_job, req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        listener = _Listener(engine, job)
         if req.stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.name}
-            usage_wanted = bool((req.stream_options or {}).get("include_usage"))
 
-            def events() -> Iterator[str]:
-                stats = GenerationStats()
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield _sse({**base, "choices": [first]})
-                for piece, st, finish in engine.run(job):
-                    stats = st
-                    if piece:
-                        yield _sse(
-                            {**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
-                        )
-                    if finish:
-                        yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
-                if usage_wanted:
-                    yield _sse({**base, "choices": [], "usage": _usage(stats)})
-                yield "data: [DONE]\n\n"
+            def chunks(event: Piece | Finished) -> list[dict[str, Any]]:
+                if isinstance(event, Piece):
+                    choice = {"index": 0, "delta": {"content": event.text}, "finish_reason": None}
+                else:
+                    choice = {"index": 0, "delta": {}, "finish_reason": event.finish_reason}
+                return [{**base, "choices": [choice]}]
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-        text, stats, finish = _collect(engine.run(job))
+            opening = {
+                **base,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            }
+            events = _sse_stream(listener, chunks, _usage_chunk(base, req), [opening])
+            return StreamingResponse(events, media_type="text/event-stream")
+        text, end = await _whole(request, listener)
         message = {"role": "assistant", "content": text}
         return {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": engine.name,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": _usage(stats),
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": end.finish_reason}],
+            "usage": _usage(end.stats),
         }
 
     return app
+
+
+def _usage(stats: GenerationStats) -> dict[str, int]:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+    }
+
+
+def _usage_chunk(base: dict[str, Any], req: _Sampling) -> Callable[[GenerationStats], dict[str, Any]] | None:
+    """The stream's last chunk before [DONE] when the client asked for usage (stream_options)."""
+    if not (req.stream_options or {}).get("include_usage"):
+        return None
+    return lambda stats: {**base, "choices": [], "usage": _usage(stats)}
 
 
 def _model_card(engine: Engine) -> dict[str, Any]:
@@ -347,26 +620,114 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _collect(events: Iterator[tuple[str, GenerationStats, str | None]]) -> tuple[str, GenerationStats, str | None]:
-    text, stats, finish = "", GenerationStats(), None
-    for piece, st, f in events:
-        text, stats, finish = text + piece, st, f or finish
-    return text, stats, finish
+# ---- connections and the process -------------------------------------------------------------------
+
+
+def _h11_with_request_timeout(seconds: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with the timeout it lacks: its keep-alive timer runs only between requests
+    and stops at the first byte, so a connection that sends nothing, or part of a request, stays open for
+    good. This one closes a connection whose request has not arrived whole (headers and body) within
+    `seconds` of the connection being ready for it: from connecting, or from the end of its last response."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class RequestTimeoutH11(H11Protocol):
+        _request_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._await_request()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_request()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_timer()
+            super().connection_lost(exc)
+
+        def _await_request(self) -> None:
+            self._stop_timer()
+            if not self.transport.is_closing():
+                self._request_timer = self.loop.call_later(seconds, self._request_overdue)
+
+        def _stop_timer(self) -> None:
+            if self._request_timer is not None:
+                self._request_timer.cancel()
+                self._request_timer = None
+
+        def _request_overdue(self) -> None:
+            self._request_timer = None
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                self.transport.close()
+
+    return RequestTimeoutH11
+
+
+def make_server(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    docs: bool = False,
+    header_timeout: float = 10.0,
+    keep_alive_timeout: float = 5.0,
+) -> Any:
+    """The uvicorn server for the engine. As soon as it begins to shut down (a signal, or should_exit) it
+    ends the engine's jobs, so no open response keeps it waiting."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            engine.stop()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        create_app(engine, docs=docs),
+        host=host,
+        port=port,
+        log_level="warning",
+        http=_h11_with_request_timeout(header_timeout),
+        timeout_keep_alive=math.ceil(keep_alive_timeout),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    return Server(config)
+
+
+@contextlib.contextmanager
+def _signals_exit_cleanly() -> Iterator[None]:
+    """uvicorn catches SIGTERM and SIGINT to shut down, then restores the handlers it found and raises the
+    signal again, which by default would kill the process (SIGTERM) or interrupt it (SIGINT) after a clean
+    shutdown. The handlers it finds are set to ignore that second signal, so the drain ends in exit 0."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .cli import load_for_serving
 
     model, streaming = load_for_serving(args)
     name = args.model_name or model.path.name
     engine = Engine(model, name, args.ctx, args.max_tokens)
-    app = create_app(engine)
+    server = make_server(
+        engine,
+        args.host,
+        args.port,
+        docs=args.docs,
+        header_timeout=args.header_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+    )
     print(f"moestream: serving {name} ({model.path}) on http://{args.host}:{args.port}/v1", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        with _signals_exit_cleanly():
+            server.run()
     finally:
-        if streaming is not None:
+        engine.stop()
+        # a job still in its prefill may be reading through the streaming store: close it only after
+        if engine.join(ENGINE_STOP_SECONDS) and streaming is not None:
             streaming.close()
     return 0
