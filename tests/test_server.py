@@ -7,6 +7,8 @@ out, a signal ends a real `serve` process with requests in flight; every error i
 from __future__ import annotations
 
 import json
+import queue
+import re
 import signal
 import socket
 import subprocess
@@ -188,25 +190,34 @@ def test_bad_requests_get_4xx_in_openais_shape(server, client):
     assert client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
 
 
-def test_serve_command_starts_and_answers(tmp_path):
-    port = free_port()
+def served_url(proc: subprocess.Popen) -> str:
+    """The address `serve` prints once its socket is bound (read by a thread: a bounded wait)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    line = lines.get(timeout=120)
+    found = re.search(r"on (http://\S+)/v1$", line.strip())
+    assert found, (line, proc.poll())
+    return found.group(1)
+
+
+def test_serve_command_starts_on_a_free_port_and_answers():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moestream", "serve", "--port", str(port), "--model-name", "m"],
+        [sys.executable, "-m", "moestream", "serve", "--port", "0", "--model-name", "m"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
     )
     try:
-        for _ in range(300):
-            try:
-                if http("GET", f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except OSError:
-                time.sleep(0.1)
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        url = served_url(proc)
+        wait_until(lambda: _answers(url + "/health"), "the server answers", seconds=120)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         assert c.models.list().data[0].id == "m"
         assert c.completions.create(model="m", prompt="def f():", max_tokens=4, temperature=0).choices[0].text
+        port = url.rsplit(":", 1)[1]
+        taken = cli("serve", "--port", port)  # a user mistake: one line, exit 2, nothing on stdout
+        assert taken.returncode == 2 and taken.stdout == ""
+        assert taken.stderr == f"moestream: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -300,6 +311,7 @@ def test_a_non_streaming_client_that_leaves_is_dropped_running_or_queued(server,
     queued = raw_post(url, {"model": NAME, "prompt": "def queued():", "max_tokens": 64, "temperature": 0})
     wait_until(lambda: health(url)["queued"] == 1, "the second request is queued")
     queued.close()
+    wait_until(lambda: health(url)["queued"] == 0, "the queued request's client is seen to leave")
     ahead.close()
     running = raw_post(url, {"model": NAME, "prompt": LONG_PROMPT, "max_tokens": 64, "temperature": 0})
     wait_until(lambda: len(runs) == 2 and runs[1][1].pieces > 0, "the third request runs")
@@ -405,6 +417,25 @@ def test_an_unexpected_exception_is_a_500_in_json_without_a_traceback(server, cl
     assert client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
 
 
+def test_an_input_error_from_the_model_or_tokenizer_is_a_400(server, monkeypatch):
+    model = server[1].model
+
+    def refuses(*args, **kwargs):
+        raise moestream.errors.InputError("this text cannot be encoded")
+
+    for where in ("complete", "tokenize"):
+        with monkeypatch.context() as m:
+            m.setattr(model, where, refuses)
+            r = post(server[0] + "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 400, where
+        assert r.json()["error"] == {
+            "message": "this text cannot be encoded",
+            "type": "invalid_request_error",
+            "param": "prompt" if where == "tokenize" else None,
+            "code": None,
+        }
+
+
 def test_an_integrity_error_mid_stream_ends_it_with_an_error_event(server, client, monkeypatch):
     def failing_read(*args, **kwargs):
         yield "first"
@@ -458,16 +489,15 @@ def test_connections_that_do_not_send_a_whole_request_are_closed(server):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_ends_the_requests_in_flight_and_the_server_exits_0(sig):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moestream.cli", "serve", "--port", str(port), "--model-name", "m", "--docs"],
-        stdout=subprocess.DEVNULL,
+        [sys.executable, "-m", "moestream.cli", "serve", "--port", "0", "--model-name", "m", "--docs"],
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
     )
     try:
+        url = served_url(proc)
         wait_until(lambda: _answers(url + "/health"), "the server answers", seconds=120)
         assert http("GET", url + "/openapi.json").status_code == 200  # --docs
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -488,9 +518,10 @@ def test_a_signal_ends_the_requests_in_flight_and_the_server_exits_0(sig):
 
         threads = [threading.Thread(target=streaming, args=(i,)) for i in range(2)]
         threads.append(threading.Thread(target=whole))
-        for t in threads:
+        threads[0].start()
+        assert first_chunk.wait(60)  # one stream runs; the other two requests queue behind it
+        for t in threads[1:]:
             t.start()
-        assert first_chunk.wait(60)
         wait_until(lambda: health(url)["queued"] == 2, "two requests wait behind the first")
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0

@@ -323,7 +323,9 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Jobs waiting whose clients are still there."""
+        with self._changed:
+            return sum(not job.cancelled.is_set() for job in self._queue)
 
     @property
     def running(self) -> int:
@@ -707,10 +709,38 @@ def _signals_exit_cleanly() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound here rather than by uvicorn so that a taken port or an unknown host is
+    one line and exit 2 (uvicorn would log it and exit 3), and so that --port 0 can say which port it got.
+    Not listening yet: uvicorn listens once it is ready to answer."""
+    if not 0 <= port <= 65535:
+        raise InputError(f"--port must be in 0..65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, OverflowError) as e:
+        raise InputError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except (OSError, OverflowError) as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .cli import load_for_serving
 
     model, streaming = load_for_serving(args)
+    try:
+        sock = _bind(args.host, args.port)
+    except InputError:
+        if streaming is not None:
+            streaming.close()
+        raise
     name = args.model_name or model.path.name
     engine = Engine(model, name, args.ctx, args.max_tokens)
     server = make_server(
@@ -721,10 +751,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
     )
-    print(f"moestream: serving {name} ({model.path}) on http://{args.host}:{args.port}/v1", flush=True)
+    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL
+    print(f"moestream: serving {name} ({model.path}) on http://{host}:{sock.getsockname()[1]}/v1", flush=True)
     try:
         with _signals_exit_cleanly():
-            server.run()
+            server.run(sockets=[sock])
     finally:
         engine.stop()
         # a job still in its prefill may be reading through the streaming store: close it only after
