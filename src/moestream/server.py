@@ -715,19 +715,23 @@ def _bind(host: str, port: int) -> socket.socket:
     Not listening yet: uvicorn listens once it is ready to answer."""
     if not 0 <= port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {port}")
+
+    def cannot_listen(e: OSError) -> InputError:
+        return InputError(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         sock = socket.socket(family, kind, proto)
-    except (OSError, OverflowError) as e:
-        raise InputError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    except OSError as e:
+        raise cannot_listen(e) from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-    except (OSError, OverflowError) as e:
+    except OSError as e:
         sock.close()
-        raise InputError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+        raise cannot_listen(e) from None
     return sock
 
 
