@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
 import tiktoken
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from moestream.errors import CheckpointError
+from moestream.errors import CheckpointError, InputError
 from moestream.tokenizer import load_tokenizer
 
 CORPUS = [
@@ -163,3 +165,172 @@ def test_tiktoken_without_pattern_is_refused(tmp_path):
     (d / "tokenization_kimi.py").write_text("x = 1\n")
     with pytest.raises(CheckpointError, match="pat_str"):
         load_tokenizer(d)
+
+
+# ---- malformed tokenizer files: one CheckpointError naming the file ------------------------------
+
+
+def _rewrite_lines(path: Path, edit) -> None:
+    lines = path.read_bytes().splitlines()
+    path.write_bytes(b"\n".join(edit(lines)) + b"\n")
+
+
+def _config_edit(d: Path, edit) -> None:
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    edit(cfg)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+TIKTOKEN_DAMAGE = {
+    "empty file": ("tiktoken.model", lambda d: (d / "tiktoken.model").write_bytes(b""), "no tokens"),
+    "duplicate rank": (
+        "tiktoken.model",
+        lambda d: _rewrite_lines(d / "tiktoken.model", lambda ls: [*ls[:-1], ls[-1].split()[0] + b" 7"]),
+        "rank 7 appears twice",
+    ),
+    "duplicate token": (
+        "tiktoken.model",
+        lambda d: _rewrite_lines(
+            d / "tiktoken.model", lambda ls: [*ls, ls[3].split()[0] + b" " + str(len(ls)).encode()]
+        ),
+        "appears twice",
+    ),
+    "not base64": (
+        "tiktoken.model",
+        lambda d: _rewrite_lines(d / "tiktoken.model", lambda ls: [b"@@@ 3", *ls[1:]]),
+        "line 1",
+    ),
+    "rank not an integer": (
+        "tiktoken.model",
+        lambda d: _rewrite_lines(d / "tiktoken.model", lambda ls: [ls[0].split()[0] + b" -1", *ls[1:]]),
+        "not an integer",
+    ),
+    "three fields": (
+        "tiktoken.model",
+        lambda d: _rewrite_lines(d / "tiktoken.model", lambda ls: [ls[0] + b" 9", *ls[1:]]),
+        "3 fields",
+    ),
+    "a byte without a token": (
+        "tiktoken.model",
+        lambda d: _rewrite_lines(d / "tiktoken.model", lambda ls: ls[1:]),
+        "byte 0x00",
+    ),
+    "sparse ranks": (
+        "tiktoken.model",
+        lambda d: _rewrite_lines(d / "tiktoken.model", lambda ls: [*ls[:-1], ls[-1].split()[0] + b" 100000"]),
+        "too sparse",
+    ),
+    "special id taken by a rank": (
+        "tokenizer_config.json",
+        lambda d: _config_edit(d, lambda c: c["added_tokens_decoder"].update({"5": {"content": "<x>"}})),
+        "special token id 5",
+    ),
+    "pat_str does not compile": (
+        "tokenization_kimi.py",
+        lambda d: (d / "tokenization_kimi.py").write_text('pat_str = "(abc"\n'),
+        "does not compile",
+    ),
+    "pat_str matches empty text": (
+        "tokenization_kimi.py",
+        lambda d: (d / "tokenization_kimi.py").write_text('pat_str = "a*"\n'),
+        "matches empty text",
+    ),
+    "added token id not a number": (
+        "tokenizer_config.json",
+        lambda d: _config_edit(d, lambda c: c["added_tokens_decoder"].update({"abc": {"content": "<y>"}})),
+        "'abc'",
+    ),
+    "added token without content": (
+        "tokenizer_config.json",
+        lambda d: _config_edit(d, lambda c: c["added_tokens_decoder"].update({"999": {"special": True}})),
+        "'content'",
+    ),
+    "bos_token of the wrong type": (
+        "tokenizer_config.json",
+        lambda d: _config_edit(d, lambda c: c.update(bos_token=5)),
+        "bos_token",
+    ),
+    "add_bos_token of the wrong type": (
+        "tokenizer_config.json",
+        lambda d: _config_edit(d, lambda c: c.update(add_bos_token="yes")),
+        "add_bos_token",
+    ),
+    "added_tokens_decoder a list": (
+        "tokenizer_config.json",
+        lambda d: _config_edit(d, lambda c: c.update(added_tokens_decoder=[1])),
+        "added_tokens_decoder",
+    ),
+    "config a FIFO": ("tokenizer_config.json", lambda d: _fifo(d / "tokenizer_config.json"), "not a regular file"),
+    "tiktoken.model a FIFO": ("tiktoken.model", lambda d: _fifo(d / "tiktoken.model"), "not a regular file"),
+    "tiktoken.model a directory": ("tiktoken.model", lambda d: _directory(d / "tiktoken.model"), "not a regular file"),
+}
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+@pytest.mark.parametrize("case", list(TIKTOKEN_DAMAGE))
+def test_malformed_tiktoken_files_are_one_error_naming_the_file(tmp_path, case):
+    d, *_ = _tiktoken_dir(tmp_path)
+    name, damage, fragment = TIKTOKEN_DAMAGE[case]
+    damage(d)
+    with pytest.raises(CheckpointError, match=re.escape(fragment)) as e:
+        load_tokenizer(d)
+    assert name in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: p.write_text("{not json"),
+        lambda p: p.write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": "x"}}})),
+        lambda p: p.write_bytes(b"\xff\xfe"),
+        lambda p: _fifo(p),
+    ],
+)
+def test_malformed_tokenizer_json_is_one_error_naming_the_file(tmp_path, damage):
+    d = _hf_tokenizer_dir(tmp_path, True)
+    damage(d / "tokenizer.json")
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json"):
+        load_tokenizer(d)
+
+
+# ---- text that is not valid Unicode --------------------------------------------------------------
+
+
+def test_lone_surrogates_are_refused_with_their_position(tmp_path):
+    hf = load_tokenizer(_hf_tokenizer_dir(tmp_path, True))
+    tk = load_tokenizer(_tiktoken_dir(tmp_path)[0])
+    for tok in (hf, tk):
+        assert tok is not None
+        for special in (True, False):
+            with pytest.raises(InputError, match=r"lone surrogate U\+D800 at character 5"):
+                tok.encode("hello\ud800world", special=special)
+        with pytest.raises(InputError, match=r"U\+DCFF at character 0"):
+            tok.encode_pieces([("\udcff", True)])
+
+
+# ---- special tokens read as text -----------------------------------------------------------------
+
+
+def test_special_false_reads_special_token_strings_as_text(tmp_path):
+    d, ranks, specials, pat_str = _tiktoken_dir(tmp_path)
+    tok = load_tokenizer(d)
+    assert tok is not None
+    plain = tiktoken.Encoding("t", pat_str=pat_str, mergeable_ranks=ranks, special_tokens={})
+    text = "a[EOS]b<|end_of_msg|>"
+    eos, end = specials["[EOS]"], specials["<|end_of_msg|>"]
+    assert tok.encode(text, add_bos=False) == [*plain.encode("a"), eos, *plain.encode("b"), end]
+    as_text = tok.encode(text, add_bos=False, special=False)
+    assert as_text == plain.encode_ordinary(text)
+    assert not set(as_text) & set(specials.values())
+    # content pieces are text; the template's own pieces keep their special tokens
+    ids = tok.encode_pieces([("[BOS]user:", False), ("[EOS]hi", True), ("<|end_of_msg|>", False)])
+    assert ids == [specials["[BOS]"], *plain.encode_ordinary("user:[EOS]hi"), specials["<|end_of_msg|>"]]

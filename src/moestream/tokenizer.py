@@ -1,16 +1,94 @@
 """Tokenizers of real checkpoints: tokenizer.json through `tokenizers`, or tiktoken.model through
 `tiktoken` with the pre-tokenizer pattern read (never executed) from the model's tokenization_*.py and
-special tokens from tokenizer_config.json. BOS is added as tokenizer_config.json says."""
+special tokens from tokenizer_config.json. BOS is added as tokenizer_config.json says.
+
+Every file is validated where it is read (a non-regular file, a malformed line, duplicate or sparse
+ranks, special ids that collide with ranks, a pattern that does not compile or matches empty text,
+fields of the wrong type): each is one CheckpointError naming the file. Text handed to a tokenizer must
+be valid Unicode: a lone surrogate (from a JSON escape or from undecodable command-line bytes) is
+refused with its position, never replaced.
+
+Special tokens: `encode(text)` reads special-token strings in the text as the special tokens (a raw
+prompt, as llama.cpp does by default); `encode(text, special=False)` reads them as ordinary text; and
+`encode_pieces` mixes the two, so a chat template's own markers are special while message content,
+whatever it holds, is text."""
 
 from __future__ import annotations
 
 import ast
 import base64
+import binascii
+import os
+import re
+import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, InputError
 from .formats.checkpoint import read_json
+
+PATTERN_SECONDS = 30.0  # matching a pattern on one text: far beyond what a real pattern needs
+MAX_RANK = 2**31 - 1  # tiktoken keeps ranks as u32; ids beyond i32 fit no embedding table anyway
+# Probe texts for a pre-tokenizer pattern: one that matches empty text on any of them is refused at load
+# (tiktoken cannot encode an empty piece); encode() checks every text it is handed as well.
+PATTERN_PROBES = (
+    "",
+    "Hello, world! It's 42 o'clock.\n\n  def f(x):\n\treturn x*2  \r\n",
+    "汉字和中文 日本語のテキスト Ünïcödé façade — “quotes” 🙂 ١٢٣ \u00a0\u2028",
+    "a",
+    " ",
+    "\n",
+    "0123456789",
+    "!?.,;:'\"()[]{}<>|/\\@#$%^&*_+=~`-",
+)
+
+
+def regular_file(path: Path, what: str) -> Path:
+    """path, when it is a regular file (a symlink to one is fine); a FIFO or device would block a read
+    or never end, and a directory is a mistake."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing {what}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path}: {what} is not a regular file")
+    return path
+
+
+def _read_bytes(path: Path, what: str) -> bytes:
+    try:
+        return regular_file(path, what).read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+
+
+def check_text(text: str, what: str = "the text") -> str:
+    """text, when it is valid Unicode. The policy everywhere: a lone surrogate is refused with its
+    character offset (it has no UTF-8 form, and replacing it would change what the user sent)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(
+            f"{what} is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+        ) from None
+    return text
+
+
+def decode_utf8(data: bytes, what: str, error: type[InputError] = InputError) -> str:
+    """data as UTF-8 text, or one error (a CheckpointError for a model's file) with the offset of the
+    first byte that is not."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def _is_rust_panic(e: BaseException) -> bool:
+    # pyo3 raises panics of the Rust libraries as PanicException, a BaseException with no import path
+    return type(e).__name__ == "PanicException"
 
 
 class Tokenizer:
@@ -19,8 +97,29 @@ class Tokenizer:
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
     add_bos: bool = False
+    source: Path = Path("tokenizer")  # the file named in errors
+    # the strings encode() reads as control tokens -> their ids (set by each tokenizer)
+    special_tokens: dict[str, int]
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """ids of text; special=False reads special-token strings in it as ordinary text."""
+        return self._encode(check_text(text), add_bos, special)
+
+    def encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """ids of the concatenated pieces, each (text, is_content): special-token strings are special
+        tokens only in the pieces that are not content; content is always ordinary text. No BOS is added
+        beyond what the pieces hold."""
+        for text, _ in pieces:
+            check_text(text)
+        ids: list[int] = []
+        for run in special_runs(pieces, self.special_tokens):
+            if isinstance(run, int):
+                ids.append(run)
+            else:
+                ids.extend(self._encode(run, False, special=False))
+        return ids
+
+    def _encode(self, text: str, add_bos: bool | None, special: bool) -> list[int]:
         raise NotImplementedError
 
     def decode(self, ids: list[int]) -> str:
@@ -28,6 +127,37 @@ class Tokenizer:
 
     def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
+
+
+def special_runs(pieces: list[tuple[str, bool]], specials: dict[str, int]) -> list[str | int]:
+    """The pieces as runs of ordinary text (str) and special token ids (int). Special-token strings are
+    found (leftmost, longest first) inside the non-content pieces alone, so one cannot begin in
+    content; the text between two of them, content included, is one run, as a tokenizer splits a text
+    at its special tokens and encodes what lies between."""
+    finder = _special_finder(specials)
+    runs: list[str | int] = []
+    text: list[str] = []
+    for piece, is_content in pieces:
+        if is_content or finder is None:
+            text.append(piece)
+            continue
+        pos = 0
+        for m in finder.finditer(piece):
+            text.append(piece[pos : m.start()])
+            if "".join(text):
+                runs.append("".join(text))
+            text = []
+            runs.append(specials[m.group()])
+            pos = m.end()
+        text.append(piece[pos:])
+    if "".join(text):
+        runs.append("".join(text))
+    return runs
+
+
+def _special_finder(specials: Iterable[str]) -> re.Pattern[str] | None:
+    longest_first = sorted((s for s in specials if s), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
 
 
 class StreamDecoder:
@@ -56,12 +186,43 @@ class StreamDecoder:
         return new
 
 
-def _special_tokens(cfg: dict[str, Any]) -> dict[str, int]:
+# ---- tokenizer_config.json ---------------------------------------------------------------------
+
+
+def check_config(cfg: Any, path: Path) -> dict[str, Any]:
+    """tokenizer_config.json's fields this project reads, type-checked."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: corrupt tokenizer_config.json (not an object)")
+    for key in ("bos_token", "eos_token"):
+        v = cfg.get(key)
+        content = v.get("content") if isinstance(v, dict) else v
+        if not (content is None or isinstance(content, str)):
+            raise CheckpointError(f"{path}: {key} must be a string or {{'content': string}}")
+        if isinstance(content, str):
+            check_text(content, f"{path}: {key}")
+    if cfg.get("add_bos_token") not in (None, True, False):
+        raise CheckpointError(f"{path}: add_bos_token must be true, false or null")
+    if not isinstance(cfg.get("added_tokens_decoder") or {}, dict):
+        raise CheckpointError(f"{path}: added_tokens_decoder must be an object of id -> token")
+    return cfg
+
+
+def _special_tokens(cfg: dict[str, Any], path: Path) -> dict[str, int]:
+    """added_tokens_decoder as content -> id: ids are decimal integers, contents non-empty strings,
+    neither repeated."""
     out: dict[str, int] = {}
     for sid, tok in (cfg.get("added_tokens_decoder") or {}).items():
         content = tok.get("content") if isinstance(tok, dict) else None
-        if isinstance(content, str):
-            out[content] = int(sid)
+        if not isinstance(content, str) or not content:
+            raise CheckpointError(f"{path}: added_tokens_decoder[{sid!r}] needs a non-empty 'content' string")
+        check_text(content, f"{path}: added_tokens_decoder[{sid!r}]")
+        if not (sid.isascii() and sid.isdigit() and len(sid) <= 10 and int(sid) <= MAX_RANK):
+            raise CheckpointError(f"{path}: added_tokens_decoder id {sid!r} is not an integer in 0..{MAX_RANK}")
+        if content in out:
+            raise CheckpointError(f"{path}: special token {content!r} appears twice in added_tokens_decoder")
+        out[content] = int(sid)
+    if len(set(out.values())) != len(out):
+        raise CheckpointError(f"{path}: added_tokens_decoder gives one id to two tokens")
     return out
 
 
@@ -74,23 +235,48 @@ def _token_id(cfg: dict[str, Any], key: str, specials: dict[str, int]) -> int | 
     return None
 
 
+# ---- tokenizer.json ----------------------------------------------------------------------------
+
+
 class HFTokenizer(Tokenizer):
     def __init__(self, path: Path, cfg: dict[str, Any]):
         from tokenizers import Tokenizer as _Tok
 
+        self.source = path
+        data = decode_utf8(_read_bytes(path, "tokenizer.json"), f"{path}", CheckpointError)
         try:
-            self.tok = _Tok.from_file(str(path))
+            self.tok = _Tok.from_str(data)
+            # a second instance that reads special-token strings as text: a flag per instance, so
+            # threads encoding at once never see each other's setting
+            self.plain = _Tok.from_str(data)
+            self.plain.encode_special_tokens = True
+            vocab = self.tok.get_vocab(with_added_tokens=True)
+            added = self.tok.get_added_tokens_decoder()
         except Exception as e:  # the library raises plain Exception on a bad file
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
-        specials = {k: v for k, v in self.tok.get_vocab(with_added_tokens=True).items()}
-        self.bos_id = _token_id(cfg, "bos_token", specials)
-        eos = _token_id(cfg, "eos_token", specials)
+        except BaseException as e:
+            if not _is_rust_panic(e):
+                raise
+            raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+        self.special_tokens = {t.content: i for i, t in added.items() if t.special and t.content}
+        self.bos_id = _token_id(cfg, "bos_token", vocab)
+        eos = _token_id(cfg, "eos_token", vocab)
         self.eos_ids = (eos,) if eos is not None else ()
         self.add_bos_cfg: bool | None = cfg.get("add_bos_token")
         self.add_bos = bool(self.add_bos_cfg)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids: list[int] = self.tok.encode(text, add_special_tokens=True).ids
+    def _run(self, tok: Any, text: str, add_special_tokens: bool) -> Any:
+        try:
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:
+            raise InputError(f"{self.source}: cannot encode the text ({e})") from None
+        except BaseException as e:
+            if not _is_rust_panic(e):
+                raise
+            raise InputError(f"{self.source}: cannot encode the text ({e})") from None
+
+    def _encode(self, text: str, add_bos: bool | None, special: bool) -> list[int]:
+        ids: list[int] = self._run(self.tok if special else self.plain, text, True).ids
         want = self.add_bos_cfg if add_bos is None else add_bos
         if want is None:  # no word from tokenizer_config: the post-processor decides
             return ids
@@ -101,27 +287,62 @@ class HFTokenizer(Tokenizer):
             ids = ids[1:]
         return ids
 
+    def encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """As Tokenizer.encode_pieces; when no content holds a special token the ids are those of the
+        whole text encoded at once (as transformers encodes a rendered template), byte for byte."""
+        for text, _ in pieces:
+            check_text(text)
+        whole = self._run(self.tok, "".join(t for t, _ in pieces), False)
+        if not _special_in_content(whole.ids, whole.offsets, pieces, set(self.special_tokens.values())):
+            return list(whole.ids)
+        ids: list[int] = []
+        for run in special_runs(pieces, self.special_tokens):
+            ids.extend([run] if isinstance(run, int) else self._run(self.plain, run, False).ids)
+        return ids
+
     def decode(self, ids: list[int]) -> str:
-        text: str = self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        try:
+            text: str = self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        except Exception as e:
+            raise InputError(f"{self.source}: cannot decode ids ({e})") from None
         return text
 
 
-def _read_pattern(model_dir: Path) -> str:
+def _special_in_content(
+    ids: list[int], offsets: list[tuple[int, int]], pieces: list[tuple[str, bool]], special_ids: set[int]
+) -> bool:
+    """Whether any special token among ids has its characters (offsets) in a content piece."""
+    spans, pos = [], 0
+    for text, is_content in pieces:
+        if is_content and text:
+            spans.append((pos, pos + len(text)))
+        pos += len(text)
+    return any(
+        i in special_ids and any(start < end and a < end and start < b for start, end in spans)
+        for i, (a, b) in zip(ids, offsets, strict=True)
+    )
+
+
+# ---- tiktoken.model ----------------------------------------------------------------------------
+
+
+def _read_pattern(model_dir: Path) -> tuple[str, Path]:
     """pat_str from tokenization_*.py, parsed with ast: a string literal, a '|'.join([...]) of literals,
-    or a concatenation of them. The file is never executed."""
+    or a concatenation of them; and the file it came from. The file is never executed."""
     for py in sorted(model_dir.glob("tokenization_*.py")):
+        data = _read_bytes(py, "tokenizer code")
         try:
-            tree = ast.parse(py.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, UnicodeDecodeError):
-            continue
+            tree = ast.parse(data.decode("utf-8"))
+        except (UnicodeDecodeError, SyntaxError, ValueError, RecursionError, MemoryError):
+            continue  # not the file that holds the pattern
         for node in ast.walk(tree):
             if isinstance(node, ast.Assign | ast.AnnAssign):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 names = [t.id if isinstance(t, ast.Name) else getattr(t, "attr", None) for t in targets]
                 if "pat_str" in names and node.value is not None:
                     try:
-                        return _literal_str(node.value)
-                    except ValueError:
+                        return _literal_str(node.value), py
+                    except (ValueError, RecursionError):
                         continue
     raise CheckpointError(f"{model_dir}: tiktoken.model found but no pat_str in a tokenization_*.py")
 
@@ -142,37 +363,108 @@ def _literal_str(node: ast.expr) -> str:
     raise ValueError("not a literal string expression")
 
 
+def _check_pattern(pat: str, path: Path) -> Any:
+    """pat_str compiled with `regex` (the syntax tiktoken's engine reads, set operations included), when it
+    compiles and matches no empty text on the probes."""
+    import regex
+
+    try:
+        check_text(pat, f"{path}: pat_str")
+        compiled = regex.compile(pat, regex.V1)
+    except (regex.error, InputError, ValueError, OverflowError, RecursionError) as e:
+        raise CheckpointError(f"{path}: pat_str does not compile ({e})") from None
+    try:
+        empty = any(_empty_match(compiled, probe) is not None for probe in PATTERN_PROBES)
+    except TimeoutError:
+        raise CheckpointError(f"{path}: pat_str takes too long to match a short text") from None
+    if empty:
+        raise CheckpointError(f"{path}: pat_str matches empty text (it must match at least one character)")
+    return compiled
+
+
+def _empty_match(compiled: Any, text: str) -> int | None:
+    """The offset of the first empty match of the pattern in text, or None (TimeoutError when matching
+    takes longer than any real pattern would: catastrophic backtracking)."""
+    for m in compiled.finditer(text, timeout=PATTERN_SECONDS):
+        if m.start() == m.end():
+            return int(m.start())
+    return None
+
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    """tiktoken.model: one 'BASE64 RANK' a line; tokens and ranks unique, every byte a token (the encoder
+    starts from single bytes), ranks below MAX_RANK and dense enough that most of 0..max are used."""
+    ranks: dict[bytes, int] = {}
+    used: set[int] = set()
+    for n, line in enumerate(_read_bytes(path, "tiktoken.model").splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = line.split()
+        if len(fields) != 2:
+            raise CheckpointError(f"{path}: line {n}: want 'BASE64-TOKEN RANK', got {len(fields)} fields")
+        try:
+            token = base64.b64decode(fields[0], validate=True)
+        except (binascii.Error, ValueError):
+            raise CheckpointError(f"{path}: line {n}: the token is not base64") from None
+        rank_text = fields[1]
+        if not (rank_text.isdigit() and len(rank_text) <= 10 and int(rank_text) <= MAX_RANK):
+            raise CheckpointError(f"{path}: line {n}: the rank is not an integer in 0..{MAX_RANK}")
+        rank = int(rank_text)
+        if not token:
+            raise CheckpointError(f"{path}: line {n}: empty token")
+        if token in ranks:
+            raise CheckpointError(f"{path}: line {n}: token {token!r} appears twice")
+        if rank in used:
+            raise CheckpointError(f"{path}: line {n}: rank {rank} appears twice")
+        ranks[token] = rank
+        used.add(rank)
+    if not ranks:
+        raise CheckpointError(f"{path}: no tokens in tiktoken.model")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise CheckpointError(f"{path}: byte 0x{missing[0]:02x} has no token (every byte must have one)")
+    if max(used) >= 2 * len(ranks):
+        raise CheckpointError(f"{path}: ranks go up to {max(used)} for {len(ranks)} tokens (too sparse)")
+    return ranks
+
+
 class TiktokenTokenizer(Tokenizer):
-    def __init__(self, model_dir: Path, cfg: dict[str, Any]):
+    def __init__(self, model_dir: Path, cfg: dict[str, Any], cfg_path: Path):
         import tiktoken
 
         path = model_dir / "tiktoken.model"
-        ranks: dict[bytes, int] = {}
-        n = 0
+        self.source = path
+        ranks = _read_ranks(path)
+        specials = _special_tokens(cfg, cfg_path)
+        taken = sorted(set(specials.values()) & set(ranks.values()))
+        if taken:
+            raise CheckpointError(f"{cfg_path}: special token id {taken[0]} is also a rank in {path.name}")
+        pat, pat_path = _read_pattern(model_dir)
+        self.pattern = _check_pattern(pat, pat_path)
         try:
-            for n, line in enumerate(path.read_bytes().splitlines(), 1):  # noqa: B007 (n is in the message)
-                if not line.strip():
-                    continue
-                tok, rank = line.split()
-                ranks[base64.b64decode(tok, validate=True)] = int(rank)
-        except (ValueError, OSError) as e:
-            raise CheckpointError(f"{path}: corrupt tiktoken.model (line {n}: {e})") from None
-        specials = _special_tokens(cfg)
-        self.enc = tiktoken.Encoding(
-            name=model_dir.name,
-            pat_str=_read_pattern(model_dir),
-            mergeable_ranks=ranks,
-            special_tokens=specials,
-        )
-        self._specials = specials
+            self.enc = tiktoken.Encoding(
+                name=model_dir.name, pat_str=pat, mergeable_ranks=ranks, special_tokens=specials
+            )
+        except ValueError as e:  # the engine's own regex compiler disagrees with `regex`
+            raise CheckpointError(f"{pat_path}: pat_str does not compile ({e})") from None
+        self.special_tokens = specials
         self._special_bytes = {v: k.encode() for k, v in specials.items()}
         self.bos_id = _token_id(cfg, "bos_token", specials)
         eos = _token_id(cfg, "eos_token", specials)
         self.eos_ids = (eos,) if eos is not None else ()
         self.add_bos = bool(cfg.get("add_bos_token", False))
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids: list[int] = self.enc.encode(text, allowed_special="all")
+    def _encode(self, text: str, add_bos: bool | None, special: bool) -> list[int]:
+        try:
+            at = _empty_match(self.pattern, text)
+        except TimeoutError:
+            raise InputError(f"{self.source}: the model's pat_str takes too long on this text") from None
+        if at is not None:  # the engine would panic on the empty piece
+            raise InputError(f"{self.source}: the model's pat_str matches empty text at character {at}")
+        if special:
+            ids: list[int] = self.enc.encode(text, allowed_special="all")
+        else:
+            ids = self.enc.encode(text, allowed_special=set(), disallowed_special=())
         want = self.add_bos if add_bos is None else add_bos
         if want and self.bos_id is not None:
             ids = [self.bos_id, *ids]
@@ -189,7 +481,7 @@ class TiktokenTokenizer(Tokenizer):
             else:
                 try:
                     out.append(self.enc.decode_single_token_bytes(i))
-                except KeyError:
+                except (KeyError, OverflowError, TypeError):
                     out.append(b"")
         return b"".join(out)
 
@@ -197,11 +489,13 @@ class TiktokenTokenizer(Tokenizer):
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:
     """The model's tokenizer, or None when the directory has none (then only --ids work)."""
     cfg_path = model_dir / "tokenizer_config.json"
-    cfg = read_json(cfg_path, "tokenizer_config.json") if cfg_path.exists() else {}
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{cfg_path}: corrupt tokenizer_config.json (not an object)")
+    cfg: Any = {}
+    if cfg_path.exists():
+        regular_file(cfg_path, "tokenizer_config.json")
+        cfg = read_json(cfg_path, "tokenizer_config.json")
+    cfg = check_config(cfg, cfg_path)
     if (model_dir / "tokenizer.json").exists():
         return HFTokenizer(model_dir / "tokenizer.json", cfg)
     if (model_dir / "tiktoken.model").exists():
-        return TiktokenTokenizer(model_dir, cfg)
+        return TiktokenTokenizer(model_dir, cfg, cfg_path)
     return None
