@@ -8,14 +8,17 @@ import base64
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import tiktoken
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from moestream.default_model import default_model_path
 from moestream.errors import CheckpointError, InputError
 from moestream.tokenizer import load_tokenizer
+from test_cli import assert_user_error, cli
 
 CORPUS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -334,3 +337,59 @@ def test_special_false_reads_special_token_strings_as_text(tmp_path):
     # content pieces are text; the template's own pieces keep their special tokens
     ids = tok.encode_pieces([("[BOS]user:", False), ("[EOS]hi", True), ("<|end_of_msg|>", False)])
     assert ids == [specials["[BOS]"], *plain.encode_ordinary("user:[EOS]hi"), specials["<|end_of_msg|>"]]
+
+
+# ---- the same through the command line: one line, exit 2, no output ------------------------------
+
+
+def _demo_copy(tmp: Path) -> Path:
+    d = tmp / "demo"
+    shutil.copytree(default_model_path(), d)
+    return d
+
+
+def _demo_with_tokenizer_json(tmp: Path) -> Path:
+    d = _demo_copy(tmp)
+    hf = _hf_tokenizer_dir(tmp, False)
+    shutil.copy(hf / "tokenizer.json", d / "tokenizer.json")
+    shutil.copy(hf / "tokenizer_config.json", d / "tokenizer_config.json")
+    return d
+
+
+CLI_DAMAGE = {
+    "empty tiktoken.model": (lambda d: (d / "tiktoken.model").write_bytes(b""), ["tiktoken.model", "no tokens"]),
+    "duplicate ranks": (
+        lambda d: _rewrite_lines(d / "tiktoken.model", lambda ls: [*ls[:-1], ls[-1].split()[0] + b" 7"]),
+        ["tiktoken.model", "rank 7 appears twice"],
+    ),
+    "bad pat_str": (
+        lambda d: (d / "tokenization_kimi.py").write_text('pat_str = "[a-"\n'),
+        ["tokenization_kimi.py", "does not compile"],
+    ),
+    "malformed tokenizer.json": (lambda d: (d / "tokenizer.json").write_text("{not json"), ["tokenizer.json"]),
+    "tokenizer_config.json a FIFO": (
+        lambda d: _fifo(d / "tokenizer_config.json"),
+        ["tokenizer_config.json", "not a regular file"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_DAMAGE))
+def test_cli_malformed_tokenizer_files_are_one_line(tmp_path, case):
+    damage, fragments = CLI_DAMAGE[case]
+    d = _demo_copy(tmp_path)
+    damage(d)
+    assert_user_error(cli("run", str(d), "--prompt", "x", "--gen", "1"), *fragments)
+
+
+def test_cli_prompt_that_is_not_utf8_is_one_line(tmp_path):
+    bad = tmp_path / "p.txt"
+    bad.write_bytes(b"ab\xffcd")
+    assert_user_error(cli("run", "--prompt-file", str(bad), "--gen", "1"), "not valid UTF-8 (byte 0xff at offset 2)")
+    surrogate = tmp_path / "s.txt"
+    surrogate.write_bytes("x\ud800".encode("utf-8", "surrogatepass"))  # CESU-style bytes of a lone surrogate
+    assert_user_error(cli("run", "--prompt-file", str(surrogate), "--gen", "1"), "byte 0xed at offset 1")
+    d = _demo_with_tokenizer_json(tmp_path)
+    # undecodable bytes on the command line reach Python as lone surrogates
+    p = cli("run", str(d), "--prompt", os.fsdecode(b"ab\xff"), "--gen", "1")
+    assert_user_error(p, "lone surrogate U+DCFF at character 2")

@@ -299,17 +299,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(args: argparse.Namespace, model: Any, allow_empty: bool = False) -> list[int]:
+    """The prompt's ids. A text prompt is raw (no template): special-token strings in it are read as the
+    special tokens, as llama.cpp reads raw prompts."""
+    from .tokenizer import decode_utf8
+
     if allow_empty and args.ids is None and args.prompt_file is None and args.prompt is None:
         return []
     if args.ids is not None:
         ids = _parse_ids(args.ids)
     elif args.prompt_file is not None:
         try:
-            text = args.prompt_file.read_text(encoding="utf-8")
+            data = args.prompt_file.read_bytes()
         except FileNotFoundError:
             raise InputError(f"prompt file {args.prompt_file} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
+        except OSError as e:
             raise InputError(f"cannot read prompt file {args.prompt_file}: {e}") from None
+        text = decode_utf8(data, f"prompt file {args.prompt_file}")
         ids = model.tokenize(text, add_bos=False if (args.no_bos or allow_empty) else None)
     elif args.prompt is not None:
         ids = model.tokenize(args.prompt, add_bos=False if (args.no_bos or allow_empty) else None)
