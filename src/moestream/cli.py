@@ -177,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ctx", type=_int_at_least(1), default=4096, help="most tokens in the conversation (default 4096)")
     add_threads_arg(c)
     c.add_argument("--verbose", "-v", action="store_true", help="after each reply, the tokens prefilled and tok/s")
+    c.add_argument(
+        "--allow-special-in-content",
+        action="store_true",
+        help="read special-token strings in messages as special tokens (by default they are plain text, so a "
+        "message cannot forge the template's role markers)",
+    )
     add_memory_args(c)
     add_sampling_args(c, temperature=0.0)
 
@@ -543,7 +549,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     model, streaming = load_for_serving(args)
     session = ChatSession(
-        model, system=args.system, sampling=sampling_from_args(args), max_new_tokens=args.gen, max_context=args.ctx
+        model,
+        system=args.system,
+        sampling=sampling_from_args(args),
+        max_new_tokens=args.gen,
+        max_context=args.ctx,
+        allow_special_in_content=args.allow_special_in_content,
     )
     if args.history is not None and args.history.exists():
         session.load_history(args.history)
