@@ -18,9 +18,11 @@ from __future__ import annotations
 import ast
 import base64
 import binascii
+import functools
 import os
 import re
 import stat
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -246,10 +248,7 @@ class HFTokenizer(Tokenizer):
         data = decode_utf8(_read_bytes(path, "tokenizer.json"), f"{path}", CheckpointError)
         try:
             self.tok = _Tok.from_str(data)
-            # a second instance that reads special-token strings as text: a flag per instance, so
-            # threads encoding at once never see each other's setting
-            self.plain = _Tok.from_str(data)
-            self.plain.encode_special_tokens = True
+            self._json = data
             vocab = self.tok.get_vocab(with_added_tokens=True)
             added = self.tok.get_added_tokens_decoder()
         except Exception as e:  # the library raises plain Exception on a bad file
@@ -264,6 +263,16 @@ class HFTokenizer(Tokenizer):
         self.eos_ids = (eos,) if eos is not None else ()
         self.add_bos_cfg: bool | None = cfg.get("add_bos_token")
         self.add_bos = bool(self.add_bos_cfg)
+
+    @functools.cached_property
+    def plain(self) -> Any:
+        """A second instance that reads special-token strings as text: the flag is per instance, so
+        threads encoding at once never see each other's setting. Made on first use (chat, server)."""
+        from tokenizers import Tokenizer as _Tok
+
+        tok = _Tok.from_str(self._json)  # loaded once already: it loads again
+        tok.encode_special_tokens = True
+        return tok
 
     def _run(self, tok: Any, text: str, add_special_tokens: bool) -> Any:
         try:
@@ -332,7 +341,9 @@ def _read_pattern(model_dir: Path) -> tuple[str, Path]:
     for py in sorted(model_dir.glob("tokenization_*.py")):
         data = _read_bytes(py, "tokenizer code")
         try:
-            tree = ast.parse(data.decode("utf-8"))
+            with warnings.catch_warnings():  # an invalid escape in the file is not the user's concern
+                warnings.simplefilter("ignore")
+                tree = ast.parse(data.decode("utf-8"))
         except (UnicodeDecodeError, SyntaxError, ValueError, RecursionError, MemoryError):
             continue  # not the file that holds the pattern
         for node in ast.walk(tree):
