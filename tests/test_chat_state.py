@@ -274,6 +274,7 @@ def test_templates_that_rewrite_content_refuse_special_strings_only(demo):
 
 HOSTILE_TEMPLATES = {
     "range beyond the bound": ("{% for i in range(10**9) %}x{% endfor %}", "range() of 1000000000 items"),
+    "range beyond an index": ("{% for i in range(10**30) %}x{% endfor %}", "range() of over"),
     "nested loops": (
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
         "rendering takes over",

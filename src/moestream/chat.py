@@ -12,6 +12,7 @@ import functools
 import json
 import re
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -115,8 +116,12 @@ def _check_result_size(n: int) -> None:
 
 def _bounded_range(*args: Any) -> range:
     rng = range(*args)
-    if len(rng) > MAX_RANGE:
-        raise TemplateLimit(f"range() of {len(rng)} items, over the {MAX_RANGE} allowed")
+    try:
+        n = len(rng)
+    except OverflowError:  # more items than an index can count
+        raise TemplateLimit(f"range() of over {sys.maxsize} items, over the {MAX_RANGE} allowed") from None
+    if n > MAX_RANGE:
+        raise TemplateLimit(f"range() of {n} items, over the {MAX_RANGE} allowed")
     return rng
 
 
