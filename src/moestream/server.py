@@ -311,11 +311,10 @@ class Engine:
                 content = "".join(str(t) for t in texts)
             role = "system" if m.role == "developer" else m.role
             messages.append({"role": role, "content": content or ""})
-        try:
-            text = self.template.render(messages, add_generation_prompt=True)
+        try:  # message content is encoded as text: only the template writes special tokens
+            ids = self.template.encode(messages, self.model._need_tokenizer(), add_generation_prompt=True)
         except InputError as e:
             raise ApiError(400, str(e), "messages") from None
-        ids = self.model._need_tokenizer().encode(text, add_bos=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return self._job(ids, max_tokens, sampling, None, "messages")
 
