@@ -9,6 +9,7 @@ byte mutations mostly turn into syntax errors that never reach the validation be
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import traceback
@@ -101,25 +102,25 @@ def _containers(doc: Any) -> list[Any]:
 def _mutate_json(doc: Any, rng: random.Random) -> Any:
     places = _containers(doc)
     if not places or rng.random() < 0.02:
-        return rng.choice(INTERESTING_VALUES)  # the whole document replaced
+        return _fresh_value(rng)  # the whole document replaced
     c = rng.choice(places)
     if not c:
         if isinstance(c, dict):
-            c[rng.choice(["x", "", "layers"])] = rng.choice(INTERESTING_VALUES)
+            c[rng.choice(["x", "", "layers"])] = _fresh_value(rng)
         else:
-            c.append(rng.choice(INTERESTING_VALUES))
+            c.append(_fresh_value(rng))
         return doc
     key: Any = rng.choice(list(c)) if isinstance(c, dict) else rng.randrange(len(c))
     op = rng.randrange(6)
     if op <= 2:  # a value of another type or an extreme one
-        c[key] = rng.choice(INTERESTING_VALUES)
+        c[key] = _fresh_value(rng)
     elif op == 3:  # removed
         del c[key]
     elif op == 4:  # an unknown key or an extra element
         if isinstance(c, dict):
-            c[f"{key}_extra"] = rng.choice(INTERESTING_VALUES)
+            c[f"{key}_extra"] = _fresh_value(rng)
         else:
-            c.insert(key, rng.choice(INTERESTING_VALUES))
+            c.insert(key, _fresh_value(rng))
     else:  # a number nudged: off by one, negated, or scaled
         v = c[key]
         if isinstance(v, int | float) and not isinstance(v, bool):
@@ -127,6 +128,12 @@ def _mutate_json(doc: Any, rng: random.Random) -> Any:
         else:
             c[key] = [v] if rng.random() < 0.5 else {"v": v}
     return doc
+
+
+def _fresh_value(rng: random.Random) -> Any:
+    """A copy of an interesting value: the shared [] and {} must not enter two places of a mutant, or a later
+    mutation appends a container into itself and the mutant becomes a cycle."""
+    return copy.deepcopy(rng.choice(INTERESTING_VALUES))
 
 
 def dump_json(doc: Any) -> bytes:
