@@ -8,9 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
-import shutil
-import tempfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +17,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from .atomic import atomic_dir
 from .errors import ConfigError, InputError
 from .formats.safetensors import DTYPES as ST_DTYPES
 from .formats.safetensors import write_streaming
@@ -473,9 +471,7 @@ def write_checkpoint(
             size = 0
         shards[-1].append(name)
         size += nbytes(name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out, what="synth") as tmp:
         bar = tqdm(total=len(entries), desc=desc, unit="tensor", disable=None if progress is None else not progress)
         weight_map = {}
         for i, names in enumerate(shards):
@@ -498,11 +494,4 @@ def write_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for fname, text in files.items():
             (tmp / fname).write_text(text)
-        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is for everyone who can read the parent
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

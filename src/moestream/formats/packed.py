@@ -18,7 +18,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -304,7 +303,10 @@ def pack(
     for what, fmt in (("--experts", experts), ("--trunk", trunk)):
         if fmt not in PACK_FORMATS:
             raise InputError(f"pack: {what} {fmt!r} is not a format (choose from {', '.join(PACK_FORMATS)})")
+    from ..atomic import atomic_dir, refuse_overlap
+
     src, dst = Path(src), Path(dst)
+    refuse_overlap(dst, [src], "pack")  # replacing dst must never delete the checkpoint it is made from
     if dst.exists() and not force:
         raise InputError(f"pack: {dst} exists (use --force to replace it)")
     ckpt = Checkpoint(src)
@@ -335,11 +337,10 @@ def pack(
     if need > free:
         raise InputError(f"pack: {dst.parent} has {free / 1e9:.2f} GB free, the packed store needs {need / 1e9:.2f} GB")
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        from ..generate import default_threads  # generate imports this module
+    from ..generate import default_threads  # generate imports this module
 
-        n_threads = default_threads() if threads is None else max(1, threads)
+    n_threads = default_threads() if threads is None else max(1, threads)
+    with atomic_dir(dst, protect=[src], what="pack") as tmp:
         manifest = _write(ckpt, tmp, matrices, others, target, progress, experts, trunk, report, n_threads)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         shutil.copy(src / "config.json", tmp / "config.json")
@@ -347,13 +348,6 @@ def pack(
             if (Path(src) / f).exists():
                 shutil.copy(Path(src) / f, tmp / f)
         verify(tmp, n_threads)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 

@@ -157,13 +157,13 @@ def write_streaming(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep the data region 8-byte aligned
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    from ..atomic import atomic_write
+
+    with atomic_write(Path(path)) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, dtype, shape, make in entries:
             arr = np.ascontiguousarray(make())
             if arr.shape != tuple(shape) or arr.dtype != DTYPES[dtype]:
                 raise ValueError(f"{name}: made {arr.dtype} {arr.shape}, declared {dtype} {shape}")
-            f.write(arr.tobytes())
-    os.replace(tmp, path)
+            f.write(arr.reshape(-1).view(np.uint8).data)  # its bytes, not a copy of them
