@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -12,6 +15,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 import hf_models
+
+# State files cache each checkpoint's weight digests under $XDG_CACHE_HOME: the tests (and the CLI runs
+# they start, which inherit the environment) keep theirs in a directory of their own, not the user's home.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="moestream-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 
 class ModelCase:
