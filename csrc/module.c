@@ -7,9 +7,11 @@
 
 #include "activations.h"
 #include "attention.h"
+#include "crc32c.h"
 #include "gemm_f32.h"
 #include "kda.h"
 #include "io.h"
+#include "mapguard.h"
 #include "matmul.h"
 #include "quant_int8.h"
 #include "norm.h"
@@ -974,7 +976,61 @@ done:
     return ret;
 }
 
+static PyObject *py_crc32c(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *keywords[] = {"buffer", "crc", "portable", NULL};
+    Py_buffer buf;
+    unsigned long crc = 0;
+    int portable = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|kp", keywords, &buf, &crc, &portable)) return NULL;
+    if (crc > 0xFFFFFFFFul) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "crc32c: crc must be a 32-bit value");
+        return NULL;
+    }
+    uint32_t r;
+    Py_BEGIN_ALLOW_THREADS r = portable ? ms_crc32c_portable((uint32_t)crc, buf.buf, (size_t)buf.len)
+                                        : ms_crc32c((uint32_t)crc, buf.buf, (size_t)buf.len);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&buf);
+    return PyLong_FromUnsignedLong(r);
+}
+
+static PyObject *py_crc32c_hardware(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(ms_crc32c_hardware());
+}
+
+static PyObject *py_guard_mapping(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long base, length;
+    const char *path;
+    if (!PyArg_ParseTuple(args, "KKs", &base, &length, &path)) return NULL;
+    int r = ms_mapguard_install();
+    if (r < 0) {
+        errno = -r;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBool_FromLong(ms_mapguard_add((uintptr_t)base, (size_t)length, path) == 0);
+}
+
+static PyObject *py_unguard_mapping(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long base;
+    if (!PyArg_ParseTuple(args, "K", &base)) return NULL;
+    ms_mapguard_remove((uintptr_t)base);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS,
+     "crc32c(buffer, crc=0, portable=False): the CRC-32C (Castagnoli) of the buffer's bytes continuing crc "
+     "(GIL released; SSE4.2 where the CPU has it, portable=True: the table-driven path)"},
+    {"crc32c_hardware", py_crc32c_hardware, METH_NOARGS, "whether crc32c uses the SSE4.2 instruction here"},
+    {"guard_mapping", py_guard_mapping, METH_VARARGS,
+     "guard_mapping(base, length, path): installs the SIGBUS handler (once) and names path for a fault in "
+     "[base, base + length): one line on stderr and exit 4 (csrc/mapguard.h); False when the registry is full"},
+    {"unguard_mapping", py_unguard_mapping, METH_VARARGS, "unguard_mapping(base): forgets the range at base"},
     {"pread", py_pread, METH_VARARGS,
      "pread(fd, buffer, offset, n): read n bytes at offset into buffer (GIL released); returns bytes read"},
     {"matmul", py_matmul, METH_VARARGS,
