@@ -269,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--trunk", default="keep", choices=PACK_FORMATS, help="format of the other matrices")
     k.add_argument("--force", action="store_true", help="replace DST if it exists")
     k.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="pack float tensors with NaN or Inf values as they are (refused by default; a run of such a "
+        "model stops with exit 4 at the first non-finite logits)",
+    )
+    k.add_argument(
         "--threads",
         "-t",
         type=_int_at_least(1),
@@ -670,6 +676,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
         force=args.force,
         report=report,
         threads=args.threads,
+        allow_nonfinite=args.allow_nonfinite,
     )
     print(out)
     if report is not None:

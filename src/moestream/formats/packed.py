@@ -1,6 +1,7 @@
 """The packed store (`moestream pack`): a checkpoint rewritten once for streaming.
 
-    DST/manifest.json   what is where: every tensor's file, offset, bytes, dtype or format, CRC32
+    DST/manifest.json   what is where: every tensor's file, offset, bytes, dtype or format, CRC-32C
+                        (and one CRC-32C per expert blob, which the expert cache checks on every read)
     DST/trunk.bin       everything but the routed experts, each layer's tensors contiguous, 4096-aligned
     DST/experts.bin     one 4096-aligned blob per (layer, expert): gate, up and down together
     DST/config.json and the tokenizer files, copied
@@ -18,7 +19,8 @@ import math
 import os
 import re
 import shutil
-import zlib
+import stat
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,8 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import CheckpointError, InputError
+from .. import _C
+from ..errors import CheckpointError, InputError, IntegrityError
 from ..ordered_map import ordered_map
 from ..quant import FORMATS, Weight, blocks
 from ..quant.formats import FP8_BLOCK, quantize_fp8_reference, quantize_int4_reference, quantize_mxfp4_reference
@@ -36,7 +39,8 @@ from .checkpoint import Checkpoint, TensorStore, read_json
 from .safetensors import DTYPE_NAMES, DTYPES, MappedFile, TensorInfo
 
 MANIFEST = "manifest.json"
-VERSION = 1
+# 2: CRC-32C per entry and per expert blob (version 1 had zlib CRC32 per entry and none per blob)
+VERSION = 2
 ALIGN = 4096
 PACK_FORMATS = [
     "keep",
@@ -203,6 +207,7 @@ class _Converted:
     scales: np.ndarray | None
     sq_err: float
     sq: float
+    finite: bool = True  # every source value is finite (no NaN or Inf)
 
 
 def _convert(ckpt: Checkpoint, m: Matrix, rows: tuple[int, int], fmt: str, measure: bool) -> _Converted:
@@ -215,7 +220,22 @@ def _convert(ckpt: Checkpoint, m: Matrix, rows: tuple[int, int], fmt: str, measu
         back = Weight(np.ascontiguousarray(data).reshape(rows[1] - rows[0], -1), scales, fmt=fmt).reference()
         sq_err = float(np.sum((back.astype(np.float64) - original) ** 2))
         sq = float(np.sum(original.astype(np.float64) ** 2))
-    return _Converted(data, scales, sq_err, sq)
+    return _Converted(data, scales, sq_err, sq, all_finite(original))
+
+
+def all_finite(arr: np.ndarray) -> bool:
+    """Whether a tensor has no NaN or Inf (always true of integer and packed tensors), looked at in runs of
+    CHUNK_ELEMENTS so that the mask stays small however large the tensor."""
+    if arr.dtype.kind in "iub":
+        return True
+    flat = arr.reshape(-1)
+    return all(np.isfinite(flat[i : i + CHUNK_ELEMENTS]).all() for i in range(0, flat.size, CHUNK_ELEMENTS))
+
+
+def _refuse_nonfinite(ckpt: Checkpoint, name: str) -> None:
+    raise InputError(
+        f"pack: {ckpt.path}: tensor {name} has NaN or Inf values (--allow-nonfinite packs them as they are)"
+    )
 
 
 def fits(fmt: str, cols: int) -> bool:
@@ -234,20 +254,23 @@ class _Writer:
     def __init__(self, path: Path):
         self.f = open(path, "wb")
         self.pos = 0
+        self.run_crc = 0  # CRC-32C of what was written since the last align() (an expert blob's bytes)
 
     def align(self) -> None:
         pad = -self.pos % ALIGN
         if pad:
             self.f.write(b"\0" * pad)
             self.pos += pad
+        self.run_crc = 0
 
     def write(self, arr: np.ndarray, crc: int = 0) -> tuple[int, int, int]:
-        """Appends arr's bytes: (offset, bytes, CRC32 continuing crc, the CRC of the bytes before them)."""
+        """Appends arr's bytes: (offset, bytes, CRC-32C continuing crc, the CRC of the bytes before them)."""
         raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data  # its bytes, not a copy of them
         off = self.pos
         self.f.write(raw)
         self.pos += raw.nbytes
-        return off, raw.nbytes, zlib.crc32(raw, crc)
+        self.run_crc = _C.crc32c(raw, self.run_crc)
+        return off, raw.nbytes, _C.crc32c(raw, crc)
 
     def close(self) -> None:
         self.f.flush()
@@ -297,9 +320,11 @@ def pack(
     progress: bool | None = None,
     report: Report | None = None,
     threads: int | None = None,
+    allow_nonfinite: bool = False,
 ) -> Path:
     """Writes the packed store of src to dst (see the module docstring); threads: how many row chunks of
-    requantized matrices convert at once (default: one per core); the store is the same for any count."""
+    requantized matrices convert at once (default: one per core); the store is the same for any count. A
+    float tensor with NaN or Inf is refused (InputError) unless allow_nonfinite."""
     for what, fmt in (("--experts", experts), ("--trunk", trunk)):
         if fmt not in PACK_FORMATS:
             raise InputError(f"pack: {what} {fmt!r} is not a format (choose from {', '.join(PACK_FORMATS)})")
@@ -341,7 +366,9 @@ def pack(
 
     n_threads = default_threads() if threads is None else max(1, threads)
     with atomic_dir(dst, protect=[src], what="pack") as tmp:
-        manifest = _write(ckpt, tmp, matrices, others, target, progress, experts, trunk, report, n_threads)
+        manifest = _write(
+            ckpt, tmp, matrices, others, target, progress, experts, trunk, report, n_threads, allow_nonfinite
+        )
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         shutil.copy(src / "config.json", tmp / "config.json")
         for f in [*TOKENIZER_FILES, *(p.name for p in Path(src).glob("tokenization_*.py"))]:
@@ -362,6 +389,7 @@ def _write(
     trunk_fmt: str,
     report: Report | None,
     threads: int,
+    allow_nonfinite: bool = False,
 ) -> dict[str, Any]:
     writers = {"trunk": _Writer(tmp / "trunk.bin"), "experts": _Writer(tmp / "experts.bin")}
     tensors: dict[str, Any] = {}
@@ -370,14 +398,17 @@ def _write(
 
     def put_raw(w: _Writer, name: str) -> None:
         info = ckpt.info(name)
-        off, n, crc = w.write(ckpt.array(name))
+        arr = ckpt.array(name)
+        if not allow_nonfinite and not all_finite(arr):
+            _refuse_nonfinite(ckpt, name)
+        off, n, crc = w.write(arr)
         tensors[name] = {
             "file": "trunk" if w is writers["trunk"] else "experts",
             "offset": off,
             "nbytes": n,
             "dtype": info.dtype,
             "shape": list(info.shape),
-            "crc32": crc,
+            "crc32c": crc,
         }
 
     def start_matrix(m: Matrix) -> str:
@@ -403,12 +434,12 @@ def _write(
                 "cols": m.cols,
                 "offset": w.pos,
                 "nbytes": 0,
-                "crc32": 0,
+                "crc32c": 0,
                 "scales": None,
             }
             current["scales"] = []
         entry = current["entry"]
-        _, n, entry["crc32"] = w.write(conv.data, entry["crc32"])
+        _, n, entry["crc32c"] = w.write(conv.data, entry["crc32c"])
         entry["nbytes"] += n
         if conv.scales is not None:
             current["scales"].append(conv.scales)
@@ -426,7 +457,7 @@ def _write(
                 "nbytes": sn,
                 "dtype": DTYPE_NAMES[scales.dtype],
                 "shape": list(scales.shape),
-                "crc32": scrc,
+                "crc32c": scrc,
             }
         mats[m.name] = entry
         return True
@@ -467,6 +498,8 @@ def _write(
 
     def put(w: _Writer, piece: _Piece, conv: _Converted | None) -> None:
         name, m, rows = piece
+        if conv is not None and not conv.finite and not allow_nonfinite:
+            _refuse_nonfinite(ckpt, name)
         if m is None:
             put_raw(w, name)
         elif rows is None or conv is None:  # kept as it is
@@ -495,12 +528,14 @@ def _write(
             if k != key:
                 if key is not None:
                     blobs[key]["nbytes"] = w.pos - blobs[key]["offset"]
+                    blobs[key]["crc32c"] = w.run_crc
                 w.align()
                 key = k
                 blobs[k] = {"offset": w.pos, "nbytes": 0}
         put(w, piece, conv)
     if key is not None:
         blobs[key]["nbytes"] = w.pos - blobs[key]["offset"]
+        blobs[key]["crc32c"] = w.run_crc
     bar.close()
     for wr in writers.values():
         wr.align()
@@ -518,49 +553,160 @@ def _write(
 
 
 def verify(path: Path, threads: int = 1) -> None:
-    """Re-reads every entry of a packed store and checks its CRC32, straight from the mapped files (no copy
-    of an entry, so memory stays flat however large a tensor), `threads` entries at a time (zlib.crc32
-    lets go of the GIL). The first bad entry in manifest order is the one named."""
+    """Re-reads every entry and expert blob of a packed store and checks its CRC-32C, straight from the
+    mapped files (no copy of an entry, so memory stays flat however large a tensor), `threads` entries at
+    a time (crc32c lets go of the GIL). The first bad entry in manifest order is the one named."""
     store = PackedStore(path)
-    checks: list[tuple[str, dict[str, Any]]] = list(store.manifest["tensors"].items())
-    for name, e in store.manifest["matrices"].items():
-        checks.append((name, e))
-        if e["scales"]:
-            checks.append((name, {**e["scales"], "file": e["file"]}))
+    checks = store.entries()
 
     def reads_back(check: tuple[str, dict[str, Any]]) -> bool:
-        return zlib.crc32(store._bytes(check[1]).data) == check[1]["crc32"]
+        return store.crc_ok(check[1])
 
     for (name, _), good in ordered_map(reads_back, checks, threads, lambda _: 0, 1):
         if not good:
             raise CheckpointError(f"{path}: {name} does not read back as written")
 
 
+U32 = 1 << 32
+# what an entry of each kind holds besides file, offset, nbytes and crc32c
+_ENTRY_KEYS = {"tensor": ("dtype", "shape"), "matrix": ("format", "rows", "cols", "scales"), "blob": ()}
+_BLOB_KEY = re.compile(r"(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})")
+
+
+def _is_int(v: Any, low: int = 0, high: int = 1 << 62) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v < high
+
+
+def _plain_file_name(name: Any) -> bool:
+    """A name of a file in the directory itself: no separator, not . or .., no NUL, encodable."""
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\0" in name:
+        return False
+    try:
+        name.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def _shape_bytes(shape: Any, dtype: Any) -> int | None:
+    """The bytes of a tensor of this shape and dtype, or None if either is not one."""
+    if not isinstance(dtype, str) or dtype not in DTYPES or not isinstance(shape, list) or len(shape) > 8:
+        return None
+    if not all(_is_int(d, 0, 1 << 40) for d in shape):
+        return None
+    return math.prod(shape) * DTYPES[dtype].itemsize
+
+
+class _ManifestCheck:
+    """Validates a parsed manifest where it is read: every field's type and range, every entry inside its
+    file, shapes that multiply out to the sizes, known formats and dtypes, file names that stay in the
+    store directory and name regular files. Any fault is one CheckpointError naming the manifest."""
+
+    def __init__(self, path: Path, doc: Any):
+        self.where = path / MANIFEST
+        if not isinstance(doc, dict) or doc.get("format") != "moestream-packed":
+            self.fail("not a moestream packed store manifest")
+        if doc.get("version") == 1:
+            self.fail("a version-1 packed store (no checksum per expert blob): repack it with this moestream")
+        if doc.get("version") != VERSION:
+            self.fail(f"not a moestream packed store of version {VERSION}")
+        self.doc = doc
+        self.sizes = self.files(path, doc.get("files"))
+
+    def fail(self, why: str) -> Any:
+        raise CheckpointError(f"{self.where}: {why}")
+
+    def files(self, path: Path, files: Any) -> dict[str, int]:
+        """file key -> its size; a key whose file is missing has size -1 (refused if an entry lies in it)."""
+        if not isinstance(files, dict) or set(files) != {"trunk", "experts"}:
+            self.fail("'files' must map trunk and experts to file names")
+        sizes = {}
+        for key, name in files.items():
+            if not _plain_file_name(name):
+                self.fail(f"file name {name!r} of {key} is not a plain file name in the store directory")
+            try:
+                st = os.stat(path / name)  # not opened: a FIFO would block a read
+            except FileNotFoundError:
+                sizes[key] = -1
+                continue
+            except OSError as e:
+                self.fail(f"cannot stat {name}: {e.strerror}")
+            if not stat.S_ISREG(st.st_mode):
+                self.fail(f"{name} is not a regular file")
+            sizes[key] = st.st_size
+        return sizes
+
+    def section(self, key: str, kind: str) -> dict[str, Any]:
+        sec = self.doc.get(key, {} if kind == "blob" else None)
+        if not isinstance(sec, dict):
+            self.fail(f"'{key}' must be an object")
+        for name, e in sec.items():
+            if kind == "blob" and not _BLOB_KEY.fullmatch(name):
+                self.fail(f"expert blob key {name!r} is not LAYER.EXPERT")
+            self.entry(name, e, kind)
+        return sec
+
+    def span(self, name: str, e: Any, file: Any) -> None:
+        """offset, nbytes and crc32c of an entry (or of its scales), inside its file."""
+        if not isinstance(e, dict):
+            self.fail(f"entry {name} must be an object")
+        if not isinstance(file, str) or file not in self.sizes:
+            self.fail(f"entry {name} names file {file!r}, not one of {sorted(self.sizes)}")
+        off, n, crc = e.get("offset"), e.get("nbytes"), e.get("crc32c")
+        if not _is_int(off) or not _is_int(n) or not _is_int(crc, 0, U32):
+            self.fail(f"entry {name} needs integer offset, nbytes and crc32c (a 32-bit value)")
+        size = self.sizes[file]
+        if off + n > max(size, 0):
+            what = "is missing" if size < 0 else f"has {size} bytes"
+            self.fail(f"entry {name} reaches byte {off + n} of {file}, which {what} (truncated?)")
+
+    def entry(self, name: str, e: Any, kind: str) -> None:
+        file = "experts" if kind == "blob" else e.get("file") if isinstance(e, dict) else None
+        self.span(name, e, file)
+        if any(k not in e for k in _ENTRY_KEYS[kind]):
+            self.fail(f"entry {name} needs {', '.join(_ENTRY_KEYS[kind])}")
+        if kind == "tensor" and _shape_bytes(e["shape"], e["dtype"]) != e["nbytes"]:
+            self.fail(f"tensor {name}: shape {e['shape']!r} of {e['dtype']!r} does not make {e['nbytes']} bytes")
+        if kind == "matrix":
+            self.matrix(name, e)
+
+    def matrix(self, name: str, e: dict[str, Any]) -> None:
+        fmt, rows, cols = e["format"], e["rows"], e["cols"]
+        if not isinstance(fmt, str) or fmt not in FORMATS:
+            self.fail(f"matrix {name} has unknown format {fmt!r}")
+        f = FORMATS[fmt]
+        if not _is_int(rows, 1, 1 << 40) or not _is_int(cols, 1, 1 << 40) or cols % f.block:
+            self.fail(f"matrix {name}: {rows!r} x {cols!r} is not a size of {fmt}")
+        if rows * (cols // f.block) * f.block_bytes != e["nbytes"]:
+            self.fail(f"matrix {name}: {rows} x {cols} {fmt} does not make {e['nbytes']} bytes")
+        s = e["scales"]
+        if s is None:
+            return
+        self.span(f"{name} (scales)", s, e["file"])
+        if _shape_bytes(s.get("shape"), s.get("dtype")) != s["nbytes"]:
+            self.fail(f"matrix {name}: its scales' shape and dtype do not make {s['nbytes']} bytes")
+
+
 class PackedStore(TensorStore):
     """Reads a packed store with the same interface as Checkpoint (has / info / array), plus matrix()
-    for requantized matrices."""
+    for requantized matrices. The manifest is validated as it is read (_ManifestCheck); crc_ok checks an
+    entry's bytes against it."""
 
     def __init__(self, path: str | Path, preload: bool = False):
         self.path = Path(path)
         self.preload = preload
-        self.manifest: dict[str, Any] = read_json(self.path / MANIFEST, "manifest.json")
-        if self.manifest.get("format") != "moestream-packed" or self.manifest.get("version") != VERSION:
-            raise CheckpointError(f"{self.path}: not a moestream packed store of version {VERSION}")
+        check = _ManifestCheck(self.path, read_json(self.path / MANIFEST, "manifest.json"))
+        tensors, matrices = check.section("tensors", "tensor"), check.section("matrices", "matrix")
+        blobs = check.section("expert_blobs", "blob")
+        self.manifest: dict[str, Any] = {**check.doc, "tensors": tensors, "matrices": matrices, "expert_blobs": blobs}
         config = read_json(self.path / "config.json", "config.json")
         if not isinstance(config, dict):
             raise CheckpointError(f"{self.path}/config.json: corrupt config.json (not a JSON object)")
         self.config: dict[str, Any] = config
         self.maps: dict[str, np.ndarray] = {}
         for key, fname in self.manifest["files"].items():
-            p = self.path / fname
-            size = p.stat().st_size if p.exists() else -1
-            entries = [
-                e for e in (*self.manifest["tensors"].values(), *self.manifest["matrices"].values()) if e["file"] == key
-            ]
-            end = max((e["offset"] + e["nbytes"] for e in entries), default=0)
-            if size < end:
-                raise CheckpointError(f"{p}: truncated ({max(size, 0)} bytes, entries reach {end})")
-            self.maps[key] = MappedFile(p, preload).map if size > 0 else np.zeros(0, np.uint8)
+            size = check.sizes[key]
+            self.maps[key] = self._map(self.path / fname, preload) if size > 0 else np.zeros(0, np.uint8)
         self.tensors = {
             n: TensorInfo(
                 n,
@@ -570,15 +716,42 @@ class PackedStore(TensorStore):
                 e["offset"],
                 e["nbytes"],
             )
-            for n, e in self.manifest["tensors"].items()
+            for n, e in tensors.items()
         }
+
+    @staticmethod
+    def _map(path: Path, preload: bool) -> np.ndarray:
+        arr = MappedFile(path, preload).map
+        guard_map(arr, path)
+        return arr
 
     @property
     def nbytes(self) -> int:
         return sum(int(m.size) for m in self.maps.values())
 
     def _bytes(self, e: dict[str, Any]) -> np.ndarray:
-        return self.maps[e["file"]][e["offset"] : e["offset"] + e["nbytes"]]
+        return self.maps[e.get("file", "experts")][e["offset"] : e["offset"] + e["nbytes"]]
+
+    def entries(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every checksummed range in manifest order: tensors, matrices and their scales (with their file),
+        expert blobs (named "expert blob L.E")."""
+        out: list[tuple[str, dict[str, Any]]] = list(self.manifest["tensors"].items())
+        for name, e in self.manifest["matrices"].items():
+            out.append((name, e))
+            if e["scales"]:
+                out.append((name, {**e["scales"], "file": e["file"]}))
+        out += [(f"expert blob {k}", {**b, "file": "experts"}) for k, b in self.manifest["expert_blobs"].items()]
+        return out
+
+    def crc_ok(self, e: dict[str, Any]) -> bool:
+        """Whether the entry's bytes (in the map) have the CRC-32C the manifest gives them."""
+        return bool(_C.crc32c(self._bytes(e)) == e["crc32c"])
+
+    def check_entry(self, e: dict[str, Any]) -> None:
+        """IntegrityError unless the entry's bytes have their CRC-32C."""
+        if not checks_enabled() or self.crc_ok(e):
+            return
+        raise IntegrityError(mismatch(self.path / self.manifest["files"][e.get("file", "experts")], e))
 
     def has(self, name: str) -> bool:
         return name in self.tensors or name in self.manifest["matrices"]
@@ -605,7 +778,34 @@ class PackedStore(TensorStore):
         if e["scales"]:
             s = e["scales"]
             scales = self._bytes({**s, "file": e["file"]}).view(DTYPES[s["dtype"]]).reshape(s["shape"])
-        return Weight(data, scales, fmt=e["format"])
+        try:
+            return Weight(data, scales, fmt=e["format"])
+        except ValueError as err:
+            raise CheckpointError(f"{self.path}: matrix {name}: {err}") from None
+
+
+def guard_map(arr: np.ndarray, path: Path) -> None:
+    """Registers a file's map with the SIGBUS guard (csrc/mapguard.h), installing it: a truncation of the
+    file under the map is then one line naming it and exit 4, not a silent death. Forgotten with the map."""
+    if arr.size:
+        base = int(arr.ctypes.data)
+        _C.guard_mapping(base, int(arr.size), str(path))
+        weakref.finalize(arr, _C.unguard_mapping, base)
+
+
+CHECKS_OFF_ENV = "MOESTREAM_NO_INTEGRITY_CHECKS"  # benchmarks/integrity.py's A/B only: skip the run-time CRCs
+
+
+def checks_enabled() -> bool:
+    return not os.environ.get(CHECKS_OFF_ENV)
+
+
+def mismatch(path: Path, e: dict[str, Any]) -> str:
+    """The line for bytes that fail their checksum."""
+    return (
+        f"{path}: checksum mismatch at offset {e['offset']} ({e['nbytes']} bytes): the file is corrupt or was "
+        "changed after packing (repack it, or restore it from its source)"
+    )
 
 
 def is_packed(path: Path) -> bool:
