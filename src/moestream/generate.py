@@ -24,10 +24,11 @@ from .config import ModelSpec
 from .console import prefill_progress
 from .errors import InputError
 from .formats.checkpoint import Checkpoint
-from .formats.packed import PackedStore, is_packed
+from .formats.packed import PackedStore, guard_map, is_packed
 from .heap import reuse_freed_heap
 from .models.base import Ctx, State
 from .models.base import Model as Network
+from .runtime.integrity import check_logits, install_resident_checks
 from .runtime.planner import mem_available
 from .sampling import GREEDY, Sampler, SamplingParams, StopMatcher
 from .tokenizer import Tokenizer, load_tokenizer
@@ -165,6 +166,7 @@ class Model:
                 logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
         stats.prefill_seconds = time.perf_counter() - t0
         for n in range(max_new_tokens):
+            check_logits(logits, len(seq) - 1)
             token = sampler.sample(logits, seq)
             if logits_out is not None:
                 logits_out.append(logits)
@@ -296,4 +298,9 @@ def load(path: str | os.PathLike[str] | None = None, threads: int | None = None,
         raise InputError(f"threads must be at least 1, got {n}")
     model = Model(p, spec, decoder, tok, n)
     model.store = store
+    if isinstance(store, PackedStore):
+        install_resident_checks(decoder, store)
+    else:  # the packed store registers its own maps
+        for mf in store._maps.values():
+            guard_map(mf.map, mf.path)
     return model

@@ -41,9 +41,12 @@ class Template:
     offset: int  # of the blob in the expert file
     nbytes: int
     parts: dict[str, list[Part]]  # "gate" / "up" / "down" -> buffers inside the blob
+    crc: int | None = None  # the blob's CRC-32C, checked on every read
 
 
-def template_of(expert: Expert, blob_offset: int, blob_nbytes: int, map_addr: int, map_size: int) -> Template:
+def template_of(
+    expert: Expert, blob_offset: int, blob_nbytes: int, map_addr: int, map_size: int, crc: int | None = None
+) -> Template:
     parts: dict[str, list[Part]] = {}
     for name in ("gate", "up", "down"):
         w: Weight = getattr(expert, name)
@@ -62,7 +65,7 @@ def template_of(expert: Expert, blob_offset: int, blob_nbytes: int, map_addr: in
                 raise ValueError("an expert matrix lies outside its blob")
             plist.append(Part(attr, off, int(buf.nbytes), buf.dtype, tuple(buf.shape)))
         parts[name] = plist
-    return Template(expert, blob_offset, blob_nbytes, parts)
+    return Template(expert, blob_offset, blob_nbytes, parts, crc)
 
 
 def _rebased(w: Weight, parts: list[Part], slot: np.ndarray) -> Weight:
@@ -130,7 +133,7 @@ class ExpertCache:
         buf = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
         self.slot_of[key] = slot
         self.key_of[slot] = key
-        self.pending[key] = self.reader.submit(t.offset, t.nbytes, buf)
+        self.pending[key] = self.reader.submit(t.offset, t.nbytes, buf, t.crc)
         self.policy.insert(key)
 
     def _ready(self, key: Key) -> Expert:

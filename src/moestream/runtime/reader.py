@@ -1,6 +1,7 @@
 """Reads of the packed store's expert file: aligned O_DIRECT preads in C with the GIL released (several
 in flight from a small pool of I/O threads), or buffered reads where the file system refuses O_DIRECT
-(tmpfs). A failed or short read is an IntegrityError naming the file and offset."""
+(tmpfs). A failed or short read, or bytes that fail their CRC-32C, is an IntegrityError naming the file
+and offset."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from .. import _C
 from ..errors import IntegrityError
+from ..formats.packed import checks_enabled, mismatch
 
 ALIGN = 4096
 FAULT_ENV = "MOESTREAM_FAIL_READ"  # testing: the Nth read (1-based) fails as a short read
@@ -51,14 +53,15 @@ class BlobReader:
         fault = os.environ.get(FAULT_ENV)
         self._fail_at = int(fault) if fault and fault.isdigit() else 0
 
-    def submit(self, offset: int, nbytes: int, into: np.ndarray) -> Future[None]:
-        """Reads nbytes at offset into the buffer `into` (aligned, at least nbytes rounded up to 4096)."""
+    def submit(self, offset: int, nbytes: int, into: np.ndarray, crc: int | None = None) -> Future[None]:
+        """Reads nbytes at offset into the buffer `into` (aligned, at least nbytes rounded up to 4096) and,
+        given their CRC-32C, checks them in the I/O thread (the GIL is released for both)."""
         with self._lock:
             self.reads += 1
             n = self.reads
-        return self.pool.submit(self._read, offset, nbytes, into, n)
+        return self.pool.submit(self._read, offset, nbytes, into, n, crc if checks_enabled() else None)
 
-    def _read(self, offset: int, nbytes: int, into: np.ndarray, n: int) -> None:
+    def _read(self, offset: int, nbytes: int, into: np.ndarray, n: int, crc: int | None) -> None:
         length = -(-nbytes // ALIGN) * ALIGN if self.direct else nbytes
         t0 = time.perf_counter()
         try:
@@ -71,6 +74,8 @@ class BlobReader:
             got = nbytes // 2  # injected fault (tests)
         if got < nbytes:
             raise IntegrityError(f"{self.path}: short read at offset {offset}: {got} of {nbytes} bytes")
+        if crc is not None and _C.crc32c(into[:nbytes]) != crc:
+            raise IntegrityError(mismatch(self.path, {"offset": offset, "nbytes": nbytes}))
         with self._lock:
             self.bytes_read += nbytes
             self.seconds += time.perf_counter() - t0

@@ -17,6 +17,7 @@ from ..errors import InputError
 from ..formats.packed import PackedStore, _group_key
 from ..models.base import Expert
 from .expert_cache import ExpertCache, StreamedExperts, Template, template_of
+from .integrity import TrunkVerifier, part_entries
 from .planner import RUNTIME_GROWTH, SCRATCH_BASE, Plan, cache_bytes, make_plan, rss_now
 from .policies import DEFAULT_POLICY, make_policy
 from .reader import ALIGN, BlobReader
@@ -24,32 +25,14 @@ from .reader import ALIGN, BlobReader
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
-def group_name(tensor: str) -> str:
-    kind, layer = _group_key(tensor)
-    return "embed" if kind == 0 else f"layer.{layer}" if kind == 1 else "head"
-
-
 def trunk_groups(store: PackedStore) -> dict[str, tuple[int, int]]:
-    """Trunk part -> page-aligned byte range [start, end) of trunk.bin. With tied embeddings the
-    embedding is the head's matrix too, so it is part of "head"."""
-    ranges: dict[str, list[int]] = {}
-    m = store.manifest
-    entries = [(n, e) for n, e in m["tensors"].items()] + [(n, e) for n, e in m["matrices"].items()]
-    tied = not any("lm_head" in n for n, _ in entries)
-    for name, e in entries:
-        if e["file"] != "trunk":
-            continue
-        g = group_name(name)
-        if tied and g == "embed":
-            g = "head"
-        spans = [(e["offset"], e["offset"] + e["nbytes"])]
-        if e.get("scales"):
-            s = e["scales"]
-            spans.append((s["offset"], s["offset"] + s["nbytes"]))
-        for a, b in spans:
-            r = ranges.setdefault(g, [a, b])
-            r[0], r[1] = min(r[0], a), max(r[1], b)
-    return {g: (a - a % ALIGN, -(-b // ALIGN) * ALIGN) for g, (a, b) in ranges.items()}
+    """Trunk part -> page-aligned byte range [start, end) of trunk.bin (the parts of part_entries)."""
+    out = {}
+    for g, entries in part_entries(store).items():
+        a = min(e["offset"] for e in entries)
+        b = max(e["offset"] + e["nbytes"] for e in entries)
+        out[g] = (a - a % ALIGN, -(-b // ALIGN) * ALIGN)
+    return out
 
 
 def moe_layers(decoder: Any) -> list[tuple[int, Any]]:
@@ -124,7 +107,9 @@ def chunkable_head(decoder: Any, store: PackedStore) -> Any:
 
 class TrunkStreamer:
     """TrunkHooks: pinned parts are read once at start; an unpinned part is read ahead (WILLNEED) when
-    the part before it starts and dropped from this process's memory (DONTNEED) once it has run."""
+    the part before it starts and dropped from this process's memory (DONTNEED) once it has run. Each part
+    is checked against its CRCs before it runs (TrunkVerifier: unpinned parts on every pass, one part
+    ahead; pinned ones and the embedding once)."""
 
     def __init__(
         self,
@@ -139,6 +124,7 @@ class TrunkStreamer:
         self.order = sorted(groups, key=lambda g: _group_key(g.replace("layer.", "layers.") + "."))
         self.next = {g: self.order[i + 1] for i, g in enumerate(self.order[:-1])}
         self.next[self.order[-1]] = self.order[0]
+        self.verifier = TrunkVerifier(store, once=self.pinned | {"embed"})
         for g in self.pinned:
             self._advise(g, MADV_POPULATE_READ, mmap.MADV_WILLNEED)
 
@@ -157,7 +143,10 @@ class TrunkStreamer:
                     self.mm.madvise(fallback, a, b - a)
 
     def enter(self, group: str) -> None:
+        self.verifier.finish(group)
         nxt = self.next.get(group)
+        if nxt is not None:
+            self.verifier.start(nxt)
         if nxt is not None and nxt not in self.pinned:
             if nxt in self.chunked:  # a part read in chunks: only its first chunk ahead
                 self.chunked[nxt].advise(0, mmap.MADV_WILLNEED)
@@ -202,6 +191,7 @@ class Streaming:
     def close(self) -> None:
         self.cache.drain()
         self.reader.close()
+        self.trunk.verifier.close()
 
 
 @dataclass
@@ -235,7 +225,7 @@ def layout(model: Any, store: PackedStore) -> Layout:
             b = blobs.get(f"{i}.{e}")
             if b is None:
                 raise InputError(f"{store.path}: the manifest has no blob for layer {i} expert {e}")
-            templates[(i, e)] = template_of(ex, b["offset"], b["nbytes"], map_addr, map_size)
+            templates[(i, e)] = template_of(ex, b["offset"], b["nbytes"], map_addr, map_size, b["crc32c"])
     slot_bytes = max(t.nbytes for t in templates.values())
     slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
     groups = trunk_groups(store)
@@ -331,10 +321,11 @@ class TracingExperts(list[Expert]):
     def __init__(self, experts: list[Expert], layer: int, trace: list[tuple[int, list[int]]]):
         super().__init__(experts)
         self.layer, self.trace = layer, trace
+        self.source = experts  # taken from, so that a CheckedExperts still checks each blob on first use
 
     def fetch(self, ids: list[int]) -> list[list[tuple[int, Expert]]]:
         self.trace.append((self.layer, list(ids)))
-        return [[(e, self[e]) for e in ids]]
+        return [[(e, self.source[e]) for e in ids]]
 
 
 def record_trace(model: Any, streaming: Streaming | None) -> list[tuple[int, list[int]]]:
@@ -344,5 +335,5 @@ def record_trace(model: Any, streaming: Streaming | None) -> list[tuple[int, lis
         streaming.cache.trace = trace
         return trace
     for i, moe in moe_layers(model.decoder):
-        moe.experts = TracingExperts(list(moe.experts), i, trace)
+        moe.experts = TracingExperts(moe.experts, i, trace)
     return trace
