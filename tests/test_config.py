@@ -34,6 +34,25 @@ def cfg(arch: str, **changes) -> dict:
         ("deepseek_v3", {"topk_group": 5}, "topk_group"),
         ("deepseek_v3", {"kv_lora_rank": ...}, "kv_lora_rank"),
         ("deepseek_v3", {"rope_scaling": {"type": "yarn"}}, "factor"),
+        ("qwen3_moe", {"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number"),
+        ("qwen3_moe", {"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number"),
+        ("qwen3_moe", {"rope_theta": "abc"}, "rope_theta must be float"),
+        ("qwen3_moe", {"rope_theta": 10**400}, "rope_theta must be a finite number"),
+        ("qwen3_moe", {"rope_theta": 1.0}, "rope_theta must be in"),
+        ("qwen3_moe", {"num_hidden_layers": 10**9}, "num_hidden_layers is 1000000000, more than"),
+        ("qwen3_moe", {"vocab_size": 10**8}, "vocab_size is 100000000, more than"),
+        ("qwen3_moe", {"vocab_size": 10**400}, "vocab_size is out of range"),
+        ("qwen3_moe", {"num_experts": 5000, "num_hidden_layers": 5000}, "routed experts moestream accepts"),
+        ("qwen3_moe", {"head_dim": -8}, "head_dim must not be negative"),
+        ("qwen3_moe", {"eos_token_id": [2, "x"]}, "eos_token_id must hold token ids"),
+        ("qwen3_moe", {"mlp_only_layers": ["0"]}, "mlp_only_layers"),
+        ("qwen3_moe", {"torch_dtype": 5}, "torch_dtype must be str"),
+        ("mixtral", {"intermediate_size": 0}, "intermediate_size must be positive"),
+        ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": 4.0, "beta_slow": -1.0}}, "beta_slow"),
+        ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": 4.0, "mscale_all_dim": -20.0}}, "mscale"),
+        ("deepseek_v3", {"routed_scaling_factor": float("nan")}, "routed_scaling_factor"),
+        ("deepseek_v3", {"n_shared_experts": -1}, "n_shared_experts must not be negative"),
+        ("kimi_linear", {"num_shared_experts": -1}, "num_shared_experts must not be negative"),
     ],
 )
 def test_refused(arch, changes, message):
@@ -100,3 +119,18 @@ def test_synth_configs_name_their_architecture(arch):
     config, _ = make_config(arch, {}, "bf16")
     assert config["architectures"][0].endswith(("ForCausalLM", "ForConditionalGeneration"))
     models.read_spec(config)
+
+
+def test_refused_not_an_object():
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        models.read_spec([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("changes", [{"activation_situ_beta": float("nan")}, {"num_hidden_layers": 10**9}])
+def test_k3_refused(changes):
+    from moestream.synth import make_config
+
+    config, _ = make_config("kimi_k3", {}, "bf16")
+    config["text_config"].update(changes)
+    with pytest.raises(ConfigError, match=next(iter(changes)).removeprefix("activation_")):
+        models.read_spec(config)

@@ -28,6 +28,8 @@ def _module(model_type: Any) -> Any:
 
 
 def read_spec(config: dict[str, Any]) -> ModelSpec:
+    if not isinstance(config, dict):
+        raise ConfigError("config.json: not a JSON object")
     spec: ModelSpec = _module(config.get("model_type")).read_spec(config)
     return spec
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Keys, ModelSpec, RopeSpec, check_experts, check_heads, read_common, read_rope
+from ..config import MAX_LAYERS, Keys, ModelSpec, RopeSpec, check_experts, check_heads, read_common, read_rope
 from ..errors import ConfigError
 from ..formats.checkpoint import Checkpoint
 from .base import Decoder, DenseMLP, MoE, Rope, SigmoidGroupRouter
@@ -57,7 +57,7 @@ def read_spec(config: dict[str, Any]) -> DeepseekV3Spec:
     check_heads(k, heads, k.opt("num_key_value_heads", int, heads))
     n_experts = k.req("n_routed_experts", int)
     top_k = k.req("num_experts_per_tok", int)
-    check_experts(k, n_experts, top_k, "n_routed_experts")
+    check_experts(k, n_experts, top_k, "n_routed_experts", common["num_hidden_layers"])
     scoring = k.opt("scoring_func", str, "sigmoid")
     if scoring != "sigmoid":
         raise ConfigError(f"config.json: scoring_func {scoring!r} is not supported (DeepSeek-V3 uses sigmoid)")
@@ -76,6 +76,7 @@ def read_spec(config: dict[str, Any]) -> DeepseekV3Spec:
     if top_k > topk_group * (n_experts // n_group):
         raise ConfigError(f"config.json: num_experts_per_tok {top_k} exceeds the experts in topk_group groups")
     rope_dim = k.req("qk_rope_head_dim", int)
+    k.positive("qk_rope_head_dim", rope_dim)
     if rope_dim % 2:
         raise ConfigError(f"config.json: qk_rope_head_dim {rope_dim} must be even")
     spec = DeepseekV3Spec(
@@ -97,7 +98,7 @@ def read_spec(config: dict[str, Any]) -> DeepseekV3Spec:
         norm_topk_prob=k.opt("norm_topk_prob", bool, True),
         routed_scaling_factor=k.opt("routed_scaling_factor", float, 1.0),
         attention_bias=k.opt("attention_bias", bool, False),
-        rope=read_rope(k, rope_dim, k.opt("max_position_embeddings", int, 4096), k.opt("rope_interleave", bool, True)),
+        rope=read_rope(k, rope_dim, common["max_position_embeddings"], k.opt("rope_interleave", bool, True)),
     )
     for key in (
         "kv_lora_rank",
@@ -105,8 +106,13 @@ def read_spec(config: dict[str, Any]) -> DeepseekV3Spec:
         "v_head_dim",
         "intermediate_size",
         "moe_intermediate_size",
+        "routed_scaling_factor",
     ):
         k.positive(key, getattr(spec, key))
+    if spec.q_lora_rank is not None:
+        k.positive("q_lora_rank", spec.q_lora_rank)
+    k.non_negative("n_shared_experts", spec.n_shared_experts)
+    k.non_negative("first_k_dense_replace", spec.first_k_dense_replace, MAX_LAYERS)
     return spec
 
 

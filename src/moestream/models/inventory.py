@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from . import build, read_spec
 
 
@@ -40,7 +41,10 @@ class _Recorder:
         dtype = np.uint8 if name.endswith((".weight_packed", ".weight_scale")) else np.float32
         key = (shape, dtype)
         if key not in self._zeros:
-            self._zeros[key] = np.zeros(shape if len(shape) else (1,), dtype)
+            try:
+                self._zeros[key] = np.zeros(shape if len(shape) else (1,), dtype)
+            except MemoryError:  # the config's sizes are within bounds but their product is not
+                raise ConfigError(f"config.json: tensor {name} of shape {list(shape)} is too large") from None
         return self._zeros[key]
 
 

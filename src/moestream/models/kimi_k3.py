@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Keys, ModelSpec, check_experts, check_heads
+from ..config import MAX_LAYERS, Keys, ModelSpec, check_experts, check_heads, read_dtype
 from ..errors import CheckpointError, ConfigError
 from ..formats.checkpoint import Checkpoint
 from .base import (
@@ -87,7 +87,8 @@ def read_spec(config: dict[str, Any]) -> KimiK3Spec:
     heads = k.req("num_attention_heads", int)
     check_heads(k, heads, k.opt("num_key_value_heads", int, heads))
     n_experts, top_k = k.req("num_experts", int), k.req("num_experts_per_token", int)
-    check_experts(k, n_experts, top_k, "num_experts")
+    k.positive("num_hidden_layers", n_layers)
+    check_experts(k, n_experts, top_k, "num_experts", n_layers)
     n_group, topk_group = k.opt("num_expert_group", int, 1), k.opt("topk_group", int, 1)
     if n_group < 1 or n_experts % n_group or not 1 <= topk_group <= n_group:
         raise ConfigError(f"config.json text_config: num_expert_group {n_group} / topk_group {topk_group} do not fit")
@@ -97,7 +98,9 @@ def read_spec(config: dict[str, Any]) -> KimiK3Spec:
     lk = Keys(lac, "config.json text_config.linear_attn_config")
     layer_types = layers_from_lists(lac, n_layers)
     bos = top.opt_none("bos_token_id", int)
-    eos = config.get("eos_token_id", text.get("eos_token_id"))
+    if bos is not None:
+        top.token_id("bos_token_id", bos)
+    eos = top.token_ids("eos_token_id", config.get("eos_token_id", text.get("eos_token_id")))
     spec = KimiK3Spec(
         model_type="kimi_k3",
         vocab_size=k.req("vocab_size", int),
@@ -107,9 +110,9 @@ def read_spec(config: dict[str, Any]) -> KimiK3Spec:
         tie_word_embeddings=top.opt("tie_word_embeddings", bool, k.opt("tie_word_embeddings", bool, False)),
         max_position_embeddings=k.opt("max_position_embeddings", int, k.opt("model_max_length", int, 1 << 20)),
         bos_token_id=bos,
-        eos_token_ids=(eos,) if isinstance(eos, int) else tuple(int(e) for e in eos or ()),
+        eos_token_ids=eos,
         hidden_act="situ",
-        torch_dtype=config.get("torch_dtype") or text.get("torch_dtype"),
+        torch_dtype=read_dtype(top) or read_dtype(k),
         situ_beta=k.req("activation_situ_beta", float),
         situ_linear_beta=k.req("activation_situ_linear_beta", float),
         intermediate_size=k.req("intermediate_size", int),
@@ -153,8 +156,16 @@ def read_spec(config: dict[str, Any]) -> KimiK3Spec:
         "linear_head_dim",
         "conv_kernel",
         "rms_norm_eps",
+        "situ_beta",
+        "situ_linear_beta",
+        "intermediate_size",
+        "max_position_embeddings",
+        "routed_scaling_factor",
     ):
         k.positive(key, getattr(spec, key))
+    k.non_negative("qk_rope_head_dim", spec.qk_rope_head_dim)
+    k.non_negative("num_shared_experts", spec.num_shared_experts)
+    k.non_negative("first_k_dense_replace", spec.first_k_dense_replace, MAX_LAYERS)
     if spec.routed_expert_hidden_size % 32 or spec.moe_intermediate_size % 32:
         raise ConfigError(
             "config.json text_config: MXFP4 experts need routed_expert_hidden_size and "

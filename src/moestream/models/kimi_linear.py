@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Keys, ModelSpec, check_experts, check_heads, read_common
+from ..config import MAX_LAYERS, Keys, ModelSpec, check_experts, check_heads, read_common
 from ..errors import ConfigError
 from ..formats.checkpoint import Checkpoint
 from .base import Ctx, Decoder, DenseMLP, Linear, MLAttention, MoE, SigmoidGroupRouter
@@ -83,7 +83,7 @@ def read_spec(config: dict[str, Any]) -> KimiLinearSpec:
     check_heads(k, heads, k.opt("num_key_value_heads", int, heads))
     n_experts = k.req("num_experts", int)
     top_k = k.req("num_experts_per_token", int)
-    check_experts(k, n_experts, top_k, "num_experts")
+    check_experts(k, n_experts, top_k, "num_experts", n_layers)
     act = k.opt("moe_router_activation_func", str, "sigmoid")
     if act != "sigmoid":
         raise ConfigError(f"config.json: moe_router_activation_func {act!r} is not supported (sigmoid is)")
@@ -103,6 +103,7 @@ def read_spec(config: dict[str, Any]) -> KimiLinearSpec:
         mlp_layer_types = tuple(mlp_types)
     else:
         first_dense = k.req("first_k_dense_replace", int)
+        k.non_negative("first_k_dense_replace", first_dense, MAX_LAYERS)
         mlp_layer_types = tuple("dense" if i < first_dense else "sparse" for i in range(n_layers))
     if k.opt("mla_use_nope", bool, True) is not True:
         raise ConfigError("config.json: mla_use_nope false (rotary MLA) is not supported for kimi_linear")
@@ -129,8 +130,22 @@ def read_spec(config: dict[str, Any]) -> KimiLinearSpec:
         layer_types=_layer_types(k, n_layers),
         mlp_layer_types=mlp_layer_types,
     )
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "linear_heads", "linear_head_dim", "conv_kernel"):
+    for key in (
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "linear_heads",
+        "linear_head_dim",
+        "conv_kernel",
+        "routed_scaling_factor",
+    ):
         k.positive(key, getattr(spec, key))
+    if spec.q_lora_rank is not None:
+        k.positive("q_lora_rank", spec.q_lora_rank)
+    k.non_negative("qk_rope_head_dim", spec.qk_rope_head_dim)
+    k.non_negative("num_shared_experts", spec.num_shared_experts)
     return spec
 
 

@@ -33,23 +33,29 @@ def read_spec(config: dict[str, Any]) -> MixtralSpec:
     check_heads(k, heads, kv_heads)
     n_experts = k.req("num_local_experts", int)
     top_k = k.req("num_experts_per_tok", int)
-    check_experts(k, n_experts, top_k, "num_local_experts")
+    check_experts(k, n_experts, top_k, "num_local_experts", common["num_hidden_layers"])
     head_dim = k.opt("head_dim", int, 0)
+    k.non_negative("head_dim", head_dim)
     if not head_dim:
         if common["hidden_size"] % heads:
             raise ConfigError(f"config.json: hidden_size is not a multiple of num_attention_heads {heads}")
         head_dim = common["hidden_size"] // heads
     if head_dim % 2:
         raise ConfigError(f"config.json: head_dim {head_dim} must be even for RoPE")
+    intermediate = k.req("intermediate_size", int)
+    k.positive("intermediate_size", intermediate)
+    window = k.opt_none("sliding_window", int)
+    if window is not None:
+        k.positive("sliding_window", window)
     return MixtralSpec(
         **common,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=k.req("intermediate_size", int),
+        intermediate_size=intermediate,
         num_local_experts=n_experts,
         num_experts_per_tok=top_k,
-        sliding_window=k.opt_none("sliding_window", int),
+        sliding_window=window,
         rope=read_rope(k, head_dim, common["max_position_embeddings"]),
     )
 

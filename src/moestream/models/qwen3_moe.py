@@ -45,15 +45,20 @@ def read_spec(config: dict[str, Any]) -> Qwen3MoeSpec:
     n_experts_key = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
     n_experts = k.req(n_experts_key, int)
     top_k = k.req("num_experts_per_tok", int)
-    check_experts(k, n_experts, top_k, n_experts_key)
-    head_dim = k.opt("head_dim", int, 0) or common["hidden_size"] // heads
-    if not config.get("head_dim") and common["hidden_size"] % heads:
-        raise ConfigError(f"config.json: hidden_size is not a multiple of num_attention_heads {heads}")
+    check_experts(k, n_experts, top_k, n_experts_key, common["num_hidden_layers"])
+    head_dim = k.opt("head_dim", int, 0)
+    k.non_negative("head_dim", head_dim)
+    if not head_dim:
+        if common["hidden_size"] % heads:
+            raise ConfigError(f"config.json: hidden_size is not a multiple of num_attention_heads {heads}")
+        head_dim = common["hidden_size"] // heads
     if head_dim % 2:
         raise ConfigError(f"config.json: head_dim {head_dim} must be even for RoPE")
     step = k.opt("decoder_sparse_step", int, 1)
     k.positive("decoder_sparse_step", step)
     window = k.opt_none("sliding_window", int) if k.opt("use_sliding_window", bool, False) else None
+    if window is not None:
+        k.positive("sliding_window", window)
     spec = Qwen3MoeSpec(
         **common,
         num_attention_heads=heads,
@@ -65,12 +70,22 @@ def read_spec(config: dict[str, Any]) -> Qwen3MoeSpec:
         num_experts_per_tok=top_k,
         norm_topk_prob=k.opt("norm_topk_prob", bool, False),
         decoder_sparse_step=step,
-        mlp_only_layers=tuple(k.opt("mlp_only_layers", list, [])),
+        mlp_only_layers=_layer_list(k, "mlp_only_layers"),
         attention_bias=k.opt("attention_bias", bool, False),
         sliding_window=window,
         rope=read_rope(k, head_dim, common["max_position_embeddings"]),
     )
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        k.positive(key, getattr(spec, key))
     return spec
+
+
+def _layer_list(k: Keys, key: str) -> tuple[int, ...]:
+    """A list of zero-based layer numbers (numbers past the last layer name no layer, as in transformers)."""
+    layers = k.opt(key, list, [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+        raise ConfigError(f"config.json: {key} may hold only layer numbers (0 for the first layer)")
+    return tuple(layers)
 
 
 def build(ckpt: Checkpoint, s: Qwen3MoeSpec) -> Decoder:
