@@ -10,18 +10,51 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, InputError
-from .safetensors import MappedFile, TensorInfo, read_header
+from .safetensors import MappedFile, TensorInfo, open_regular, read_header
 
 INDEX = "model.safetensors.index.json"
 
 
+MAX_JSON = 256 * 1024 * 1024  # far above any config or index (a 1T-parameter index is tens of MB)
+
+
 def read_json(path: Path, what: str) -> Any:
+    """The JSON document in path, refused (one line naming the file) unless it is a regular file of
+    valid UTF-8 JSON within MAX_JSON bytes."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing {what}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt {what} ({e})") from None
+        with open_regular(path, what) as f:
+            raw = f.read(MAX_JSON + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what}: {e.strerror}") from None
+    if len(raw) > MAX_JSON:
+        raise CheckpointError(f"{path}: {what} is larger than {MAX_JSON:,} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, or an int too long
+        raise CheckpointError(f"{path}: corrupt {what} ({str(e)[:200]})") from None
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map, {tensor name: shard file name}, each name a plain
+    relative path inside the model directory."""
+    index = read_json(path, "safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{path}: no weight_map object")
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str):
+            raise CheckpointError(f"{path}: weight_map[{name[:200]!r}] is not a file name")
+        check_member_name(path, fname)
+    return weight_map
+
+
+def check_member_name(index_path: Path, fname: str) -> None:
+    """A file name from an index must stay in the model directory: relative, no `..` or empty parts,
+    printable (no NUL, no lone surrogate). Symlinks in the directory (the Hugging Face cache's, to
+    ../../blobs/) are fine: the rule is about the name written in the index."""
+    leaves = fname.startswith("/") or "\\" in fname or any(p in ("", "..") for p in fname.split("/"))
+    if leaves or not fname.isprintable():
+        raise CheckpointError(f"{index_path}: file name {fname[:200]!r} leaves the model directory or is not a name")
 
 
 class TensorStore:
@@ -64,31 +97,33 @@ class Checkpoint(TensorStore):
         self.tensors: dict[str, TensorInfo] = {}
         self._maps: dict[Path, MappedFile] = {}
         index_path = self.path / INDEX
-        if index_path.exists():
-            index = read_json(index_path, "safetensors index")
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index_path}: no weight_map")
-            files = sorted(set(weight_map.values()))
-            headers = {}
-            for fname in files:
-                shard = self.path / fname
-                if not shard.exists():
-                    raise CheckpointError(f"{shard}: shard named in {INDEX} is missing")
-                headers[fname] = read_header(shard)
-            for name, fname in weight_map.items():
-                if name not in headers[fname]:
-                    raise CheckpointError(f"{self.path / fname}: tensor {name} listed in {INDEX} is not in it")
-                self.tensors[name] = headers[fname][name]
+        if index_path.exists() or index_path.is_symlink():
+            self._read_sharded(index_path)
         else:
-            files = sorted(p.name for p in self.path.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{self.path}: no .safetensors files in the model directory")
-            for fname in files:
-                for name, info in read_header(self.path / fname).items():
-                    if name in self.tensors:
-                        raise CheckpointError(f"{self.path}: tensor {name} appears in two files")
-                    self.tensors[name] = info
+            self._read_unindexed()
+
+    def _read_sharded(self, index_path: Path) -> None:
+        weight_map = read_index(index_path)
+        headers = {}
+        for fname in sorted(set(weight_map.values())):
+            shard = self.path / fname
+            if not shard.exists():
+                raise CheckpointError(f"{shard}: shard named in {INDEX} is missing")
+            headers[fname] = read_header(shard)
+        for name, fname in weight_map.items():
+            if name not in headers[fname]:
+                raise CheckpointError(f"{self.path / fname}: tensor {name} listed in {INDEX} is not in it")
+            self.tensors[name] = headers[fname][name]
+
+    def _read_unindexed(self) -> None:
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no .safetensors files in the model directory")
+        for fname in files:
+            for name, info in read_header(self.path / fname).items():
+                if name in self.tensors:
+                    raise CheckpointError(f"{self.path}: tensor {name} appears in two files")
+                self.tensors[name] = info
 
     @property
     def nbytes(self) -> int:

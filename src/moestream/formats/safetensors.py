@@ -8,14 +8,17 @@ then the data region; data_offsets are [begin, end) relative to the data region.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import ml_dtypes
 import numpy as np
@@ -55,44 +58,60 @@ class TensorInfo:
         return DTYPES[self.dtype]
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parses and checks a safetensors header; every tensor must lie inside the file."""
+def open_regular(path: Path, what: str) -> BinaryIO:
+    """path opened for reading, refused unless it is a regular file (after symlinks). Opened without
+    blocking, so a FIFO or a device named like a model file is refused instead of hanging the load."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing {what}") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        raise CheckpointError(f"{path}: cannot read {what}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: {what} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parses and checks a safetensors header; every tensor must lie inside the file, and no two overlap."""
+    try:
+        with open_regular(path, "safetensors file") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER or 8 + n > size:
                 raise CheckpointError(
-                    f"{path}: header length {n} runs past the end of the file ({size} bytes); "
-                    "the file is truncated or not safetensors"
+                    f"{path}: header length {n} runs past the end of the file ({size} bytes) or past "
+                    f"{MAX_HEADER:,}; the file is truncated or not safetensors"
                 )
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
+    if len(raw) < n:
+        raise CheckpointError(f"{path}: truncated safetensors header (the file shrank while read)")
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, or an int too long
+        raise CheckpointError(f"{path}: corrupt safetensors header ({str(e)[:200]})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    if not isinstance(header.get("__metadata__", {}), dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
     data_start = 8 + n
     out: dict[str, TensorInfo] = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = meta["dtype"]
-            shape = tuple(int(d) for d in meta["shape"])
-            begin, end = (int(o) for o in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name}") from None
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        dtype, shape, begin, end = _header_entry(path, name, meta)
         nbytes = math.prod(shape) * DTYPES[dtype].itemsize
-        if begin < 0 or end - begin != nbytes or any(d < 0 for d in shape):
+        if end - begin != nbytes:
             raise CheckpointError(
                 f"{path}: tensor {name} offsets [{begin}, {end}) do not match its shape {list(shape)} {dtype}"
             )
@@ -102,7 +121,44 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"file has {size}); the shard is truncated"
             )
         out[name] = TensorInfo(name, dtype, shape, Path(path), data_start + begin, nbytes)
+    _refuse_overlaps(path, out)
     return out
+
+
+def _header_entry(path: Path, name: str, meta: Any) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, each of the type and range safetensors allows."""
+
+    def corrupt(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: corrupt header entry for tensor {name[:200]} ({why})")
+
+    if not isinstance(meta, dict):
+        raise corrupt("not an object")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise corrupt("dtype is not a string")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{path}: tensor {name[:200]} has unsupported dtype {dtype[:40]}")
+    if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
+        raise corrupt("shape is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_size(o) for o in offsets):
+        raise corrupt("data_offsets is not a pair of non-negative integers")
+    begin, end = offsets
+    if begin > end:
+        raise corrupt(f"data_offsets [{begin}, {end}) end before they begin")
+    return dtype, tuple(shape), begin, end
+
+
+def _is_size(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
+
+
+def _refuse_overlaps(path: Path, tensors: dict[str, TensorInfo]) -> None:
+    """Two tensors sharing bytes is a corrupt header (the spec forbids it; a write to one would change
+    the other)."""
+    spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in tensors.values() if i.nbytes)
+    for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensors {first} and {second} overlap in the file")
 
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
@@ -115,6 +171,8 @@ class MappedFile:
     def __init__(self, path: Path, preload: bool = False):
         self.path = path
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise CheckpointError(f"{path}: not a regular file")
             self.map = np.memmap(path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot map: {e}") from None
