@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .runtime.streaming import Streaming
 
 from .atomic import atomic_write
+from .config import MAX_VOCAB
 from .console import LiveStatus
 from .errors import InputError, MoeStreamError
 
@@ -29,30 +30,53 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"moestream: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
+# Bounds for numbers on the command line: far above any real use, low enough that nothing downstream
+# overflows or allocates for them.
+MAX_TOKENS = 1 << 24  # --gen, --ctx, --max-tokens, --repeat-last-n, --prompt-tokens
+MAX_THREADS = 4096
+MAX_RAM = 1 << 50  # 1 PiB
+MAX_NUMBER_TEXT = 64  # characters: what a number on the command line may be written in
+SEED_MAX = 2**64 - 1
+
+
+def _number_text(s: str) -> str:
+    if len(s) > MAX_NUMBER_TEXT:
+        raise argparse.ArgumentTypeError(f"not a number: {s[:20]!r}... ({len(s)} characters)")
+    return s
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]."""
+
     def parse(s: str) -> int:
         try:
-            v = int(s)
+            v = int(_number_text(s))
         except ValueError:
             raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {v}")
         return v
 
     return parse
+
+
+def _int_at_least(low: int, high: int = MAX_TOKENS) -> Callable[[str], int]:
+    return _int_in(low, high)
 
 
 def _parse_ids(s: str) -> list[int]:
     try:
         return [int(x) for x in s.replace(" ", "").split(",") if x != ""]
     except ValueError:
-        raise InputError(f"--ids expects comma-separated integers, got {s!r}") from None
+        raise InputError(f"--ids expects comma-separated integers, got {s[:100]!r}") from None
 
 
 def _float_in(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (NaN is in no range)."""
+
     def parse(s: str) -> float:
         try:
-            v = float(s)
+            v = float(_number_text(s))
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
         if not low <= v <= high:
@@ -62,19 +86,45 @@ def _float_in(low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
+def _ram_size(s: str) -> str:
+    """An argparse type for --ram: a size (8G, 512M, 1.5GiB) between 1 byte and MAX_RAM; kept as text
+    for planner.resolve_budget, which parses it again."""
+    from .runtime.planner import parse_size
+
+    try:
+        size = parse_size(_number_text(s))
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--ram: ")) from None
+    if not 0 < size <= MAX_RAM:
+        raise argparse.ArgumentTypeError(f"must be between 1 byte and {MAX_RAM >> 50} PiB, got {s!r}")
+    return s
+
+
+def _ram_sizes(s: str) -> str:
+    """An argparse type for bench's --ram: comma-separated sizes or max."""
+    for budget in s.split(","):
+        if budget.strip() not in ("", "max"):
+            _ram_size(budget.strip())
+    return s
+
+
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     g = p.add_argument_group("sampling (greedy unless --temperature > 0)")
     g.add_argument(
         "--temperature", "--temp", type=_float_in(0, 100), default=temperature, help=f"default {temperature}"
     )
-    g.add_argument("--top-k", type=_int_at_least(0), default=0, help="keep the k most likely tokens (0: all)")
+    g.add_argument(
+        "--top-k", type=_int_at_least(0, MAX_VOCAB), default=0, help="keep the k most likely tokens (0: all)"
+    )
     g.add_argument("--top-p", type=_float_in(1e-9, 1), default=1.0, help="keep the smallest set reaching p")
     g.add_argument("--min-p", type=_float_in(0, 1), default=0.0, help="drop tokens below min-p x the top prob")
     g.add_argument("--repeat-penalty", type=_float_in(1e-6, 100), default=1.0, help="llama.cpp's (1: off)")
     g.add_argument("--presence-penalty", type=_float_in(-2, 2), default=0.0, help="OpenAI's (0: off)")
     g.add_argument("--frequency-penalty", type=_float_in(-2, 2), default=0.0, help="OpenAI's (0: off)")
     g.add_argument("--repeat-last-n", type=_int_at_least(-1), default=64, help="tokens the penalties look at (-1: all)")
-    g.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same text")
+    g.add_argument(
+        "--seed", type=_int_in(0, SEED_MAX), default=None, help="random seed: the same seed gives the same text"
+    )
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)")
 
 
@@ -96,14 +146,18 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", "-t", type=_int_at_least(1), default=None, help="kernel threads (default: all cores)")
+    p.add_argument(
+        "--threads", "-t", type=_int_at_least(1, MAX_THREADS), default=None, help="kernel threads (default: all cores)"
+    )
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     from .runtime.policies import DEFAULT_POLICY, POLICIES
 
     mem = p.add_argument_group("memory budget (packed stores: see `moestream pack`)")
-    mem.add_argument("--ram", metavar="SIZE", help="RAM budget, e.g. 8G or 512M: experts and trunk stream from disk")
+    mem.add_argument(
+        "--ram", metavar="SIZE", type=_ram_size, help="RAM budget, e.g. 8G or 512M: experts and trunk stream from disk"
+    )
     mem.add_argument("--preset", help="a named budget (laptop, desktop, workstation, server, max, auto)")
     mem.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     mem.add_argument(
@@ -195,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("model", nargs="?", help="checkpoint directory; omitted: the embedded default model")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    v.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000; 0: any free port)")
+    v.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default 8000; 0: any free port)")
     v.add_argument("--model-name", help="the model id clients use (default: the directory name)")
     v.add_argument("--ctx", type=_int_at_least(1), default=4096, help="most tokens per request, prompt + reply")
     v.add_argument("--max-tokens", type=_int_at_least(1), default=1024, help="most tokens a request may generate")
@@ -224,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
         "model's disk, and the preset recommended for the model with its expected seconds per token.",
     )
     d.add_argument("model", nargs="?", help="a packed store (default: the embedded demo model)")
-    d.add_argument("--seconds", type=float, default=2.0, help="how long to measure the disk (default 2)")
+    d.add_argument(
+        "--seconds", type=_float_in(0.01, 3600), default=2.0, help="how long to measure the disk (default 2)"
+    )
 
     b = sub.add_parser(
         "bench",
@@ -234,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
         "pip install 'moestream[plot]').",
     )
     b.add_argument("model", help="a packed store (see `moestream pack`)")
-    b.add_argument("--ram", required=True, help="budgets, comma-separated, e.g. 2G,4G,8G (max: everything)")
+    b.add_argument(
+        "--ram", required=True, type=_ram_sizes, help="budgets, comma-separated, e.g. 2G,4G,8G (max: everything)"
+    )
     b.add_argument("--prompt-tokens", type=_int_at_least(1), default=32, help="prompt length (default 32)")
     b.add_argument("--gen", "-n", type=_int_at_least(2), default=16, help="tokens to generate (default 16)")
     add_threads_arg(b)
@@ -277,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--threads",
         "-t",
-        type=_int_at_least(1),
+        type=_int_at_least(1, MAX_THREADS),
         default=None,
         help="matrix row chunks converted at once (default: all cores); the store is the same for any count",
     )
@@ -299,8 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", type=Path, help="output directory (written atomically)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     s.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"], help="weight dtype (default bf16)")
-    s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    s.add_argument("--shard-size", type=float, default=2.0, metavar="GB", help="max shard size in GB (default 2)")
+    s.add_argument("--seed", type=_int_in(0, SEED_MAX), default=0, help="random seed (default 0)")
+    s.add_argument(
+        "--shard-size", type=_float_in(1e-9, 1e6), default=2.0, metavar="GB", help="max shard size in GB (default 2)"
+    )
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
     s.add_argument(
         "--full",

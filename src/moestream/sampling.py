@@ -5,6 +5,7 @@ ties are broken by token id. Stop strings are matched on the text as it is produ
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -12,6 +13,18 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .errors import InputError
+
+# Ranges as llama.cpp and OpenAI take them, with finite upper bounds where they have none.
+MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 100.0
+MAX_TOP_K = 10_000_000  # the largest vocabulary a config may have
+MAX_LAST_N = 1 << 24
+SEED_MAX = 2**64 - 1
+
+
+def _short(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -31,20 +44,44 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        self._check_types()
         checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (
+                0 <= self.temperature <= MAX_TEMPERATURE,
+                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}",
+            ),
+            (0 <= self.top_k <= MAX_TOP_K, f"top_k must be in [0, {MAX_TOP_K}] (0: all tokens), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (
+                0 < self.repetition_penalty <= MAX_PENALTY,
+                f"repetition_penalty must be in (0, {MAX_PENALTY}], got {self.repetition_penalty}",
+            ),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.penalty_last_n >= -1, f"penalty_last_n must be >= -1, got {self.penalty_last_n}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (
+                -1 <= self.penalty_last_n <= MAX_LAST_N,
+                f"penalty_last_n must be in [-1, {MAX_LAST_N}] (-1: all), got {self.penalty_last_n}",
+            ),
+            (self.seed is None or 0 <= self.seed <= SEED_MAX, f"seed must be in [0, {SEED_MAX}], got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise InputError(message)
+
+    def _check_types(self) -> None:
+        """Numbers are numbers (not bools, not strings) and finite; integers are integers; stop strings are
+        non-empty strings. The server hands over JSON values as they came."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise InputError(f"{name} must be a finite number, got {_short(v)}")
+        for name in ("top_k", "penalty_last_n", "seed"):
+            v = getattr(self, name)
+            if (v is not None or name != "seed") and (isinstance(v, bool) or not isinstance(v, int)):
+                raise InputError(f"{name} must be an integer, got {_short(v)}")
+        if not isinstance(self.stop, tuple | list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InputError("stop strings must be non-empty strings")
 
     @property
     def greedy(self) -> bool:
