@@ -4,6 +4,7 @@ model.safetensors.index.json). Tensors are memory-mapped views; nothing is read 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,11 @@ def read_json(path: Path, what: str) -> Any:
     valid UTF-8 JSON within MAX_JSON bytes."""
     try:
         with open_regular(path, what) as f:
-            raw = f.read(MAX_JSON + 1)
+            if os.fstat(f.fileno()).st_size > MAX_JSON:
+                raise CheckpointError(f"{path}: {what} is larger than {MAX_JSON:,} bytes")
+            raw = f.read()  # not read(MAX_JSON + 1): that reserves the whole bound for every file
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what}: {e.strerror}") from None
-    if len(raw) > MAX_JSON:
-        raise CheckpointError(f"{path}: {what} is larger than {MAX_JSON:,} bytes")
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, or an int too long
