@@ -53,8 +53,10 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
             v = int(_number_text(s))
         except ValueError:
             raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-        if not low <= v <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {v}")
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        if v > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {v}")
         return v
 
     return parse
