@@ -6,7 +6,6 @@ further still)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -18,7 +17,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import fuzzing
 import hf_models
 from fuzzing import byte_mutations, dump_json, expect_only_own_errors, json_mutations
 from moestream import models
@@ -103,21 +101,6 @@ def test_index_mutations(tmp_path):
 
     accepted = expect_only_own_errors(parse, as_json(json_mutations(seed, 300 * SCALE, seed=2)))
     assert 0 < accepted < 300 * SCALE
-
-
-class FreshCopies(list):
-    """INTERESTING_VALUES handing out a copy of each value. json_mutations inserts its containers by
-    reference, so later mutations change the shared values: they grow from mutant to mutant (each run
-    slower and dependent on what ran before) and a mutant can come to contain itself, where the
-    mutator's walk over containers never ends. With copies every mutant is a tree, and replays."""
-
-    def __getitem__(self, i: Any) -> Any:
-        return copy.deepcopy(super().__getitem__(i))
-
-
-@pytest.fixture(autouse=True)
-def fresh_interesting_values(monkeypatch):
-    monkeypatch.setattr(fuzzing, "INTERESTING_VALUES", FreshCopies(fuzzing.INTERESTING_VALUES))
 
 
 def as_json(mutants: Iterator[Any]) -> Iterator[Any]:
