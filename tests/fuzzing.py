@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from moestream.errors import MoeStreamError
+
+# Multiplies every fuzz test's budget: the default runs in seconds, a larger scale is for longer runs.
+SCALE = int(os.environ.get("MOESTREAM_FUZZ_SCALE", "1"))
 
 INTERESTING_BYTES = [0x00, 0x01, 0x7F, 0x80, 0xFF, ord("{"), ord("}"), ord('"'), ord("\n"), ord("-")]
 INTERESTING_INTS = [0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**64, -(2**63), 10**400]

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import fuzzing
 import hf_models
 from fuzzing import byte_mutations, dump_json, expect_only_own_errors, json_mutations
 from moestream import models
@@ -25,7 +26,7 @@ from moestream.formats.safetensors import MappedFile, read_header, write_file
 from moestream.models.inventory import inventory, layer_map
 from moestream.synth import make_config
 
-SCALE = int(os.environ.get("MOESTREAM_FUZZ_SCALE", "1"))
+SCALE = fuzzing.SCALE
 DEMO = Path(models.__file__).parent.parent / "demo"
 
 

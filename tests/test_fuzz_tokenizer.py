@@ -7,20 +7,20 @@ MOESTREAM_FUZZ_SCALE multiplies the budgets for longer runs."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
 
 import pytest
 
+import fuzzing
 from fuzzing import byte_mutations, dump_json, expect_only_own_errors, json_mutations
 from moestream.chat import ChatTemplate
 from moestream.default_model import default_model_path
 from moestream.tokenizer import load_tokenizer
 from test_tokenizer import _hf_tokenizer_dir
 
-SCALE = int(os.environ.get("MOESTREAM_FUZZ_SCALE", "1"))
+SCALE = fuzzing.SCALE
 SAMPLE = "def f(x):\n    return x  # 中文 🙂 <|open|>user<|sep|>[EOS]<s></s>"
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

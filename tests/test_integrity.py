@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fuzzing
 import moestream
 from fuzzing import byte_mutations, dump_json, expect_only_own_errors, json_mutations
 from moestream import _C
@@ -27,7 +28,7 @@ from moestream.synth import synth
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 PROMPT = "3,14,15,92,65,35,89,79"
-FUZZ_BUDGET = int(os.environ.get("MOESTREAM_FUZZ_BUDGET", "1000"))
+FUZZ_BUDGET = 1000 * fuzzing.SCALE
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import fuzzing
 import moestream
 from fuzzing import byte_mutations, dump_json, expect_only_own_errors, json_mutations
 from moestream import state_file
@@ -28,7 +29,7 @@ from moestream.state_file import load_state, save_state
 from moestream.synth import synth
 from test_cli import ENV, assert_user_error, cli
 
-FUZZ_INPUTS = int(os.environ.get("MOESTREAM_FUZZ_INPUTS", "2000"))  # per mutator; raise it for longer runs
+FUZZ_INPUTS = 2000 * fuzzing.SCALE  # per mutator
 AN_HOUR_AGO = time.time() - 3600
 
 
