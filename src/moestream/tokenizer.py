@@ -29,6 +29,7 @@ from typing import Any
 
 from .errors import CheckpointError, InputError
 from .formats.checkpoint import read_json
+from .formats.safetensors import open_regular
 
 PATTERN_SECONDS = 30.0  # matching a pattern on one text: far beyond what a real pattern needs
 MAX_RANK = 2**31 - 1  # tiktoken keeps ranks as u32; ids beyond i32 fit no embedding table anyway
@@ -62,7 +63,8 @@ def regular_file(path: Path, what: str) -> Path:
 
 def _read_bytes(path: Path, what: str) -> bytes:
     try:
-        return regular_file(path, what).read_bytes()
+        with open_regular(path, what) as f:  # checked on the open file: no window for a swap to a FIFO
+            return f.read()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
 
