@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moestream.errors import InputError
 from moestream.formats.packed import pack
 from moestream.runtime.planner import parse_size
 from moestream.runtime.policies import LRU, LFUAging, belady_hits, replay
@@ -183,6 +184,9 @@ def test_parse_size():
     assert parse_size("8G") == 8 << 30 and parse_size("512M") == 512 << 20 and parse_size("1.5GiB") == 3 << 29
     with pytest.raises(Exception, match="cannot read"):
         parse_size("lots")
+    for huge in ("9" * 400, "2000T"):  # 400 digits overflowed int(float) before
+        with pytest.raises(InputError, match="more than 1 PiB"):
+            parse_size(huge)
 
 
 def test_a_large_lm_head_streams_in_chunks_with_identical_output(tmp_path):

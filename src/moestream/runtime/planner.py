@@ -34,13 +34,19 @@ SCRATCH_BASE = 2 * MB
 RUNTIME_GROWTH = 12 * MB
 
 
+MAX_SIZE = 1 << 50  # 1 PiB: a budget beyond any machine, and within float's exact integers
+
+
 def parse_size(text: str) -> int:
     """'8G', '512M', '1.5GiB', '123456' (bytes) -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
     if not m:
         raise InputError(f"--ram: cannot read {text!r} as a size (examples: 8G, 512M, 1.5GiB)")
     unit = {"": 1, "k": 1 << 10, "m": MB, "g": GB, "t": 1 << 40}[m.group(2)]
-    return int(float(m.group(1)) * unit)
+    value = float(m.group(1)) * unit  # inf for 400 digits: refused below, not an OverflowError
+    if not value < MAX_SIZE:
+        raise InputError(f"--ram: {text.strip()[:24]!r} is more than 1 PiB")
+    return int(value)
 
 
 def cgroup_limit() -> int:
