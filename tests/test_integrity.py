@@ -176,6 +176,49 @@ def test_only_the_blobs_used_are_checked(store, low_budget, used_experts, tmp_pa
         list(model.generate([int(x) for x in PROMPT.split(",")], 4, stop_at_eos=False))
 
 
+@pytest.mark.parametrize("where", ["experts", "trunk"])
+def test_a_part_that_failed_its_check_is_checked_again(store, used_experts, tmp_path, where):
+    """A process that goes on after an IntegrityError (the server) must not run the failed bytes unchecked
+    the next time: resident checks mark a part or blob checked only once it passed."""
+    bad = copy_store(store, tmp_path / "bad")
+    m = json.loads((bad / MANIFEST).read_text())
+    if where == "experts":
+        layer, expert = used_experts[0]
+        flip_byte(bad / "experts.bin", m["expert_blobs"][f"{layer}.{expert}"]["offset"] + 3)
+    else:
+        flip_byte(bad / "trunk.bin", trunk_entry_of_layer(bad, 1)["offset"] + 3)
+    model = moestream.load(bad, threads=1)
+    for _ in range(2):
+        with pytest.raises(IntegrityError, match="checksum mismatch"):
+            list(model.generate([int(x) for x in PROMPT.split(",")], 4, stop_at_eos=False))
+
+
+def test_a_failed_streamed_read_gives_back_its_slot_and_pins(store, low_budget, used_experts, tmp_path):
+    """After a read fails its check under --ram, every slot is free or holds an expert, nothing stays pinned,
+    and the next request of other experts is served (the server goes on after the error)."""
+    from moestream.runtime.planner import parse_size
+    from moestream.runtime.streaming import attach
+
+    bad = copy_store(store, tmp_path / "bad")
+    m = json.loads((bad / MANIFEST).read_text())
+    layer, expert = used_experts[0]
+    flip_byte(bad / "experts.bin", m["expert_blobs"][f"{layer}.{expert}"]["offset"] + 3)
+    model = moestream.load(bad, threads=1)
+    streaming = attach(model, model.store, parse_size(low_budget), context=64, prompt_tokens=8, prefetch=False)
+    try:
+        cache = streaming.cache
+        with pytest.raises(IntegrityError, match="checksum mismatch"):
+            cache.request(layer, [expert])
+        assert len(cache.free) + len(cache.slot_of) == cache.n_slots and not cache.pins
+        others = [e for (la, e) in cache.templates if la == layer and e != expert]
+        for e in others:  # more experts than slots, or all of the layer's: the slots are usable again
+            cache.request(layer, [e])
+            cache.release(layer, [e])
+        assert not cache.pins
+    finally:
+        streaming.close()
+
+
 def verify_store_entries(path: Path) -> None:
     s = PackedStore(path)
     for _, e in s.entries():

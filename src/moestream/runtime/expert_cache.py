@@ -128,6 +128,17 @@ class ExpertCache:
         self.stats.evictions += 1
         return slot
 
+    def _forget(self, key: Key) -> None:
+        """A key whose read failed: its slot goes back to the free list, so that a process that goes on after
+        the error (the server) does not lose a slot to every failed read."""
+        slot = self.slot_of.pop(key, None)
+        if slot is not None:
+            self.key_of.pop(slot, None)
+            self.free.append(slot)
+        self.built.pop(key, None)
+        self.prefetched.discard(key)
+        self.policy.remove(key)
+
     def _read(self, key: Key, slot: int) -> None:
         t = self.templates[key]
         buf = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
@@ -143,7 +154,7 @@ class ExpertCache:
             try:
                 fut.result()
             except BaseException:
-                self.slot_of.pop(key, None)
+                self._forget(key)
                 raise
             self.stats.wait_seconds += time.perf_counter() - t0
         ex = self.built.get(key)
@@ -176,7 +187,11 @@ class ExpertCache:
                     raise RuntimeError("expert cache: no free slot (the plan allows too few)")
                 self._read(key, slot)
             self.pins[key] = self.pins.get(key, 0) + 1
-        return [self._ready(k) for k in keys]
+        try:
+            return [self._ready(k) for k in keys]
+        except BaseException:  # the caller never gets the experts, so it cannot release them
+            self.release(layer, ids)
+            raise
 
     def release(self, layer: int, ids: list[int]) -> None:
         for e in ids:
@@ -207,7 +222,7 @@ class ExpertCache:
             try:
                 self.pending.pop(key).result()
             except Exception:
-                self.slot_of.pop(key, None)
+                self._forget(key)
 
 
 class StreamedExperts:

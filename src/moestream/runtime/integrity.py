@@ -60,9 +60,9 @@ class ResidentChecks:
         self.unchecked = part_entries(store) if checks_enabled() else {}
 
     def enter(self, group: str) -> None:
-        entries = self.unchecked.pop(group, None)
-        for e in entries or ():
+        for e in self.unchecked.get(group, ()):
             self.store.check_entry(e)
+        self.unchecked.pop(group, None)  # only once every range passed: a failed part is checked again
 
     def leave(self, group: str) -> None:
         pass
@@ -80,9 +80,10 @@ class CheckedExperts(list[Expert]):
     def __getitem__(self, e: Any) -> Any:
         if isinstance(e, int) and e in self.unchecked:
             blob = self.store.manifest["expert_blobs"].get(f"{self.layer}.{e}")
-            if blob is not None:
-                self.store.check_entry({**blob, "file": "experts"})
-            self.unchecked.discard(e)
+            if blob is None:  # a manifest without the blob must not switch its check off
+                raise IntegrityError(f"{self.store.path}: the manifest has no blob for layer {self.layer} expert {e}")
+            self.store.check_entry({**blob, "file": "experts"})
+            self.unchecked.discard(e)  # only once it passed: a failed blob is checked again
         return super().__getitem__(e)
 
 
