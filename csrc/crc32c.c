@@ -7,7 +7,7 @@
 #include <pthread.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__) /* the 64-bit crc32 instruction: no such intrinsic on 32-bit x86 */
 #define MS_CRC_X86 1
 #include <immintrin.h>
 #endif

@@ -328,6 +328,19 @@ def test_chat_command_reads_special_strings_as_text_unless_allowed():
     assert as_special < as_text  # three special ids where the text takes many tokens
 
 
+def test_history_with_an_overlong_integer_is_one_line(tmp_path):
+    hist = tmp_path / "h.jsonl"
+    hist.write_text('{"role": "user", "content": "x", "n": ' + "9" * 5000 + "}\n")  # past int's digit limit
+    assert_user_error(cli("chat", "--history", str(hist), input_text=""), "history file")
+
+
+def test_named_templates_with_names_that_are_not_strings_are_skipped(tmp_path):
+    from moestream.chat import _template_source
+
+    cfg = {"chat_template": [{"name": [1], "template": "x"}, {"name": "tool_use", "template": "t"}]}
+    assert _template_source(cfg, tmp_path / "tokenizer_config.json", tmp_path) == "t"
+
+
 def test_history_with_a_lone_surrogate_is_one_line(tmp_path):
     hist = tmp_path / "h.jsonl"
     hist.write_text('{"role": "user", "content": "a\\ud800b"}\n')

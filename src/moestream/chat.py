@@ -399,7 +399,9 @@ def _template_source(cfg: dict[str, Any], cfg_path: Path, model_dir: Path) -> st
     chat_template.jinja; type-checked."""
     source = cfg.get("chat_template")
     if isinstance(source, list):
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        named = {
+            t.get("name"): t.get("template") for t in source if isinstance(t, dict) and isinstance(t.get("name"), str)
+        }
         source = named.get("default") or next(iter(named.values()), None)
     if source is not None and not isinstance(source, str):
         raise CheckpointError(f"{cfg_path}: chat_template must be a string or a list of {{name, template}}")
@@ -538,7 +540,7 @@ class ChatSession:
         try:
             lines = regular_file(path, "history file").read_text(encoding="utf-8").splitlines()
             msgs = [json.loads(line) for line in lines if line.strip()]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, an int too long
             raise InputError(f"history file {path}: {e}") from None
         for n, m in enumerate(msgs, 1):
             if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
