@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -269,6 +270,31 @@ def test_truncated_while_mapped_is_one_line_and_exit_4(store, tmp_path, victim):
 
 
 # ---- non-finite weights and logits -------------------------------------------------------------------
+
+
+OTHER_SIGBUS_SCRIPT = """
+import mmap, os, sys
+import numpy as np
+from moestream.formats.packed import guard_map
+guarded, other = sys.argv[1], sys.argv[2]
+keep = np.memmap(guarded, np.uint8, "r")
+guard_map(keep, guarded)  # the guard is installed, for another file
+with open(other, "r+b") as f:
+    m = mmap.mmap(f.fileno(), 0)
+    os.truncate(other, 0)
+    m[4096 * 3]  # a fault outside every guarded map
+"""
+
+
+def test_a_sigbus_outside_the_guarded_maps_is_not_reported_as_one(tmp_path):
+    """The guard speaks only for the model's own maps: any other SIGBUS goes to the handler before it (here
+    the default), so a crash elsewhere is not passed off as a changed model file."""
+    guarded, other = tmp_path / "guarded.bin", tmp_path / "other.bin"
+    guarded.write_bytes(b"x" * 8192)
+    other.write_bytes(b"y" * 4096 * 8)
+    p = subprocess.run([sys.executable, "-c", OTHER_SIGBUS_SCRIPT, str(guarded), str(other)], capture_output=True)
+    assert p.returncode == -signal.SIGBUS, (p.returncode, p.stderr)
+    assert b"truncated or changed" not in p.stderr
 
 
 def poison(ckpt: Path, name: str) -> None:
