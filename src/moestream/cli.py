@@ -21,6 +21,7 @@ from .atomic import atomic_write
 from .config import MAX_VOCAB
 from .console import LiveStatus
 from .errors import InputError, MoeStreamError
+from .sampling import SEED_MAX
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,7 +37,6 @@ MAX_TOKENS = 1 << 24  # --gen, --ctx, --max-tokens, --repeat-last-n, --prompt-to
 MAX_THREADS = 4096
 MAX_RAM = 1 << 50  # 1 PiB
 MAX_NUMBER_TEXT = 64  # characters: what a number on the command line may be written in
-SEED_MAX = 2**64 - 1
 
 
 def _number_text(s: str) -> str:

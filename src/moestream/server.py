@@ -52,7 +52,7 @@ from starlette.requests import Request  # at module level: FastAPI resolves the 
 from .chat import ChatTemplate, load_template
 from .errors import InputError, IntegrityError, MoeStreamError
 from .generate import GenerationStats, Model
-from .sampling import SamplingParams
+from .sampling import SEED_MAX, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SHUTTING_DOWN = "server_shutting_down"
@@ -138,7 +138,7 @@ class _Sampling(_Body):
     repetition_penalty: float = Field(default=1.0, gt=0)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    seed: int | None = Field(default=None, ge=0, lt=2**64)  # the sampler's generator takes an unsigned 64-bit seed
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
