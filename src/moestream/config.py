@@ -233,6 +233,19 @@ def check_heads(k: Keys, heads: int, kv_heads: int) -> None:
         raise ConfigError(f"{k.where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
 
 
+def read_head_dim(k: Keys, hidden: int, heads: int) -> int:
+    """A GQA model's head_dim: the key when given (non-zero), else hidden_size / heads; even, for RoPE."""
+    head_dim = k.opt("head_dim", int, 0)
+    k.non_negative("head_dim", head_dim)
+    if not head_dim:
+        if hidden % heads:
+            raise ConfigError(f"{k.where}: hidden_size is not a multiple of num_attention_heads {heads}")
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise ConfigError(f"{k.where}: head_dim {head_dim} must be even for RoPE")
+    return head_dim
+
+
 def check_experts(k: Keys, n_experts: int, top_k: int, experts_key: str, layers: int) -> None:
     k.positive(experts_key, n_experts)
     k.positive("num_experts_per_tok", top_k)

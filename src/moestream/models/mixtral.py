@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Keys, ModelSpec, RopeSpec, check_experts, check_heads, read_common, read_rope
-from ..errors import ConfigError
+from ..config import Keys, ModelSpec, RopeSpec, check_experts, check_heads, read_common, read_head_dim, read_rope
 from ..formats.checkpoint import Checkpoint
 from .base import Decoder, GQAttention, Linear, MoE, Rope, SoftmaxRouter
 from .loading import Tensors
@@ -34,14 +33,7 @@ def read_spec(config: dict[str, Any]) -> MixtralSpec:
     n_experts = k.req("num_local_experts", int)
     top_k = k.req("num_experts_per_tok", int)
     check_experts(k, n_experts, top_k, "num_local_experts", common["num_hidden_layers"])
-    head_dim = k.opt("head_dim", int, 0)
-    k.non_negative("head_dim", head_dim)
-    if not head_dim:
-        if common["hidden_size"] % heads:
-            raise ConfigError(f"config.json: hidden_size is not a multiple of num_attention_heads {heads}")
-        head_dim = common["hidden_size"] // heads
-    if head_dim % 2:
-        raise ConfigError(f"config.json: head_dim {head_dim} must be even for RoPE")
+    head_dim = read_head_dim(k, common["hidden_size"], heads)
     intermediate = k.req("intermediate_size", int)
     k.positive("intermediate_size", intermediate)
     window = k.opt_none("sliding_window", int)
