@@ -217,9 +217,10 @@ def served_url(proc: subprocess.Popen) -> str:
     return found.group(1)
 
 
-def test_serve_command_starts_on_a_free_port_and_answers():
+def start_serve(*extra: str) -> tuple[subprocess.Popen, str]:
+    """A `moestream serve` process on a free port (model id "m"), once /health answers, and its URL."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moestream", "serve", "--port", "0", "--model-name", "m"],
+        [sys.executable, "-m", "moestream.cli", "serve", "--port", "0", "--model-name", "m", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -228,6 +229,16 @@ def test_serve_command_starts_on_a_free_port_and_answers():
     try:
         url = served_url(proc)
         wait_until(lambda: _answers(url + "/health"), "the server answers", seconds=120)
+    except BaseException:
+        proc.kill()
+        proc.wait(timeout=30)
+        raise
+    return proc, url
+
+
+def test_serve_command_starts_on_a_free_port_and_answers():
+    proc, url = start_serve()
+    try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         assert c.models.list().data[0].id == "m"
         assert c.completions.create(model="m", prompt="def f():", max_tokens=4, temperature=0).choices[0].text
@@ -506,16 +517,8 @@ def test_connections_that_do_not_send_a_whole_request_are_closed(server):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_ends_the_requests_in_flight_and_the_server_exits_0(sig):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moestream.cli", "serve", "--port", "0", "--model-name", "m", "--docs"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-    )
+    proc, url = start_serve("--docs")
     try:
-        url = served_url(proc)
-        wait_until(lambda: _answers(url + "/health"), "the server answers", seconds=120)
         assert http("GET", url + "/openapi.json").status_code == 200  # --docs
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         first_chunk, outcomes = threading.Event(), {}
