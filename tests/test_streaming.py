@@ -45,13 +45,40 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+_sources: dict[str, Path] = {}
+
+
+def checkpoint_of(arch: str, tmp_path_factory) -> Path:
+    if arch not in _sources:
+        root = tmp_path_factory.mktemp(f"stream-{arch}")
+        _sources[arch] = synth(arch, root / "src", MODELS[arch], seed=11, progress=False)
+    return _sources[arch]
+
+
+def packed_of(arch: str, tmp_path_factory) -> Path:
+    key = f"{arch}-packed"
+    if key not in _sources:
+        src = checkpoint_of(arch, tmp_path_factory)
+        experts = "keep" if arch == "kimi_k3" else "q8_0"
+        _sources[key] = pack(src, src.parent / "packed", experts=experts, trunk="keep", progress=False)
+    return _sources[key]
+
+
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def packed(request, tmp_path_factory) -> Path:
-    arch = request.param
-    root = tmp_path_factory.mktemp(f"stream-{arch}")
-    src = synth(arch, root / "src", MODELS[arch], seed=11, progress=False)
-    experts = "keep" if arch == "kimi_k3" else "q8_0"
-    return pack(src, root / "packed", experts=experts, trunk="keep", progress=False)
+    return packed_of(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def checkpoint(request, tmp_path_factory) -> Path:
+    """The synthetic checkpoint as it is (safetensors shards): --ram reads its experts from the shards."""
+    return checkpoint_of(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[(a, k) for a in sorted(MODELS) for k in ("packed", "checkpoint")], ids=str)
+def store(request, tmp_path_factory) -> Path:
+    arch, kind = request.param
+    return packed_of(arch, tmp_path_factory) if kind == "packed" else checkpoint_of(arch, tmp_path_factory)
 
 
 def run(path: Path, tmp: Path, tag: str, *extra: str) -> tuple[list[int], bytes, dict]:
@@ -90,10 +117,11 @@ def _minimum_budget(path: Path) -> int:
 
 
 def store_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.bin"))
+    return sum(f.stat().st_size for f in [*path.glob("*.bin"), *path.glob("*.safetensors")])
 
 
-def test_budgets_and_threads_give_identical_output(packed, tmp_path):
+def test_budgets_and_threads_give_identical_output(store, tmp_path):
+    packed = store
     ids, logits, _ = resident(packed, tmp_path)
     low = minimum_budget(packed)
     size = store_bytes(packed)
@@ -125,7 +153,8 @@ def test_no_prefetch_and_lru_change_nothing_but_speed(packed, tmp_path):
     assert rep["streaming"]["prefetch_issued"] > 0
 
 
-def test_failed_read_exits_4_without_a_token_after_it(packed, tmp_path):
+def test_failed_read_exits_4_without_a_token_after_it(store, tmp_path):
+    packed = store
     low = minimum_budget(packed)
     _, _, rep = run(packed, tmp_path, "ok", "--ram", f"{low}M")
     reads = rep["streaming"]["expert_reads"]
@@ -134,7 +163,8 @@ def test_failed_read_exits_4_without_a_token_after_it(packed, tmp_path):
     assert fault.returncode == 4, fault.stderr
     assert fault.stdout == ""  # --json prints all or nothing
     line = fault.stderr.strip().splitlines()[-1]
-    assert line.startswith("moestream: error:") and "experts.bin" in line and "offset" in line
+    read_from = "experts.bin" if packed.name == "packed" else ".safetensors"
+    assert line.startswith("moestream: error:") and read_from in line and "offset" in line
     assert "Traceback" not in fault.stderr
     # streamed text: what was printed is the start of the good run, and stops before the failed token
     text_ok = cli(*base)
@@ -150,10 +180,23 @@ def test_budget_below_minimum_is_refused(packed):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
-def test_ram_needs_a_packed_store(tmp_path):
-    src = synth("qwen3_moe", tmp_path / "m", {"num_hidden_layers": 2}, progress=False)
-    p = cli("run", str(src), "--ids", "1,2", "--ram", "1G")
-    assert p.returncode == 2 and "moestream pack" in p.stderr
+def test_checkpoint_experts_are_read_from_their_own_tensors(checkpoint, tmp_path):
+    """Each expert of the checkpoint is one read of the enclosing aligned range of its shard (its matrices
+    lie together there), placed in the slot so that each matrix sits inside the bytes read for it."""
+    import moestream
+    from moestream.runtime.streaming import layout
+
+    model = moestream.load(checkpoint, preload=False)
+    lay = layout(model, model.store)
+    n_experts = sum(len(moe.experts) for _, moe in lay.layers)
+    assert len(lay.templates) == n_experts
+    assert {len(t.ranges) for t in lay.templates.values()} == {1}
+    assert all(p.suffix == ".safetensors" for p in lay.expert_files)
+    for t in lay.templates.values():
+        r = t.ranges[0]
+        assert r.offset % 4096 == 0 and r.nbytes <= t.nbytes <= lay.slot_bytes
+        for parts in t.parts.values():
+            assert all(r.slot_offset <= p.offset and p.offset + p.nbytes <= r.slot_offset + r.nbytes for p in parts)
 
 
 def test_trace_replays_and_lfu_beats_lru(packed, tmp_path):

@@ -579,11 +579,8 @@ def _stream_within(
     """Attaches the --ram/--preset budget (None: resident) to a loaded model, planned for `context` tokens."""
     if budget is None:
         return None
-    from .formats.packed import PackedStore
     from .runtime.streaming import attach
 
-    if not isinstance(model.store, PackedStore):
-        raise InputError(f"{path}: --ram streams from a packed store; make one with `moestream pack {path} DST`")
     return attach(
         model,
         model.store,

@@ -141,5 +141,10 @@ class Checkpoint(TensorStore):
             mf = self._maps[info.path] = MappedFile(info.path, self.preload)
         return mf.view(info)
 
+    def mapped_files(self) -> list[tuple[Path, np.ndarray]]:
+        """Every shard the model's tensors were taken from, with its whole-file memory map (the tensors
+        are views of these: a budgeted run reads the routed experts' ranges from the files themselves)."""
+        return [(path, mf.map) for path, mf in self._maps.items()]
+
     def names(self, prefix: str = "") -> list[str]:
         return [n for n in self.tensors if n.startswith(prefix)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -749,33 +749,75 @@ class Expert:
         return glu_many([(self, x)], ctx)[0]
 
 
+class ExpertSource(Protocol):
+    """Where a MoE layer's routed experts come from: all in memory (ResidentExperts), or read on demand
+    within a budget (runtime/expert_cache.py StreamedExperts, from a packed store, a checkpoint's own
+    tensors or a GGUF's stacked ones). Every source serves the same bytes, so the layer computes the
+    same numbers from any of them."""
+
+    at_hand: bool  # every expert can be taken by index at any time (decode's one-pass path)
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, e: int) -> Expert: ...
+
+    def fetch(self, ids: list[int]) -> Iterable[list[tuple[int, Expert]]]:
+        """The experts ids (sorted, distinct), in groups of (id, expert); a group's experts stay valid
+        until the next group is asked for."""
+        ...
+
+    def announce(self, x: np.ndarray, ctx: Ctx) -> None:
+        """The layer's router input [T, E], given before fetch (a streamed source predicts the next
+        layer's experts from it)."""
+        ...
+
+
+class ResidentExperts(list[Expert]):
+    """Every expert of a layer in memory (or in a memory map): one group with all that are asked for."""
+
+    at_hand = True
+
+    def fetch(self, ids: list[int]) -> Iterable[list[tuple[int, Expert]]]:
+        return [[(e, self[e]) for e in ids]]
+
+    def announce(self, x: np.ndarray, ctx: Ctx) -> None:
+        pass
+
+
+def expert_source(experts: ExpertSource | list[Expert]) -> ExpertSource:
+    """A builder's list of experts as a ResidentExperts; any other source as it is."""
+    if isinstance(experts, list) and not isinstance(experts, ResidentExperts):
+        return ResidentExperts(experts)
+    return experts
+
+
 class MoE:
     """Routed experts (+ shared experts). Each token's outputs are summed in its own top-k order, and
     a batch is computed expert by expert over the tokens that chose it, so the result for a token is
     identical whether it comes alone (decode) or in a batch (prefill)."""
 
-    def __init__(self, router: Router, experts: list[Expert], shared: DenseMLP | None):
-        self.router, self.experts, self.shared = router, experts, shared
+    def __init__(self, router: Router, experts: ExpertSource | list[Expert], shared: DenseMLP | None):
+        self.router, self.experts, self.shared = router, expert_source(experts), shared
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
         idx, w = self.router(x, ctx)  # [T, k] each
-        announce(self.experts, x, ctx)
+        self.experts.announce(x, ctx)
         out = mix_experts(self.experts, x, idx, w, ctx)
         if self.shared is not None:
             out += self.shared(x, ctx)
         return out
 
 
-def mix_experts(experts: Any, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx: Ctx) -> np.ndarray:
+def mix_experts(experts: ExpertSource, x: np.ndarray, idx: np.ndarray, w: np.ndarray, ctx: Ctx) -> np.ndarray:
     """sum_j w[t, j] * experts[idx[t, j]](x[t]) for every token t, summed in top-k order j = 0, 1, ...
-    Each distinct expert runs once over all the tokens that chose it. `experts` is a list, or a streamed
-    set (runtime/expert_cache.py) that serves them in groups through fetch(); either way every expert
-    computes from the same bytes, so the result is the same."""
+    Each distinct expert runs once over all the tokens that chose it. Whatever the source serves the
+    experts from (memory, or a cache that hands them over in groups), every expert computes from the same
+    bytes, so the result is the same."""
     T, k = idx.shape
-    if T == 1 and not hasattr(experts, "fetch"):  # decode, all at hand: one pass in slot order, summed on the way
+    if T == 1 and experts.at_hand:  # decode, all at hand: one pass in slot order, summed on the way
         return glu_one_x([experts[e] for e in idx[0].tolist()], x, ctx, w[0])
     ids = sorted({int(e) for e in idx.ravel()})
-    groups = experts.fetch(ids) if hasattr(experts, "fetch") else [[(e, experts[e]) for e in ids]]
+    groups = experts.fetch(ids)
     if T == 1:  # decode: each chosen expert once, at its slot in the top-k order, all on the one x
         slots = idx[0].tolist()
         slot_of = {e: j for j, e in enumerate(slots)}
@@ -826,14 +868,6 @@ def combine_slots(ys: np.ndarray, rows: np.ndarray, w: np.ndarray, ctx: Ctx) -> 
     rows = np.ascontiguousarray(rows, np.int64)
     _C.moe_combine(ys, rows, np.ascontiguousarray(w, np.float32), out, ys.shape[1], T, k, ctx.threads)
     return out
-
-
-def announce(experts: Any, x: np.ndarray, ctx: Ctx) -> None:
-    """Tells a streamed expert set the router input of its layer (it predicts the next layer's experts
-    from it, for prefetch); a plain list ignores it."""
-    hook = getattr(experts, "announce", None)
-    if hook is not None:
-        hook(x, ctx)
 
 
 class TrunkHooks(Protocol):

@@ -19,12 +19,13 @@ from .base import (
     Ctx,
     DenseMLP,
     Expert,
+    ExpertSource,
     Glu,
     Linear,
     SigmoidGroupRouter,
     State,
     TrunkHooks,
-    announce,
+    expert_source,
     mix_experts,
     rms_norm,
     sigmoid,
@@ -218,18 +219,19 @@ class LatentMoE:
         self,
         router: SigmoidGroupRouter,
         down: Linear,  # [L, E]
-        experts: list[Expert],  # latent: [I, L] / [L, I]
+        experts: ExpertSource | list[Expert],  # latent: [I, L] / [L, I]
         norm: np.ndarray | None,  # [L]
         up: Linear,  # [E, L]
         shared: DenseMLP | None,
         eps: float,
     ):
-        self.router, self.down, self.experts, self.norm, self.up = router, down, experts, norm, up
+        self.router, self.down, self.norm, self.up = router, down, norm, up
+        self.experts = expert_source(experts)
         self.shared, self.eps = shared, eps
 
     def __call__(self, x: np.ndarray, ctx: Ctx) -> np.ndarray:
         idx, w = self.router(x, ctx)  # [T, k]
-        announce(self.experts, x, ctx)
+        self.experts.announce(x, ctx)
         z = self.down(x, ctx)  # [T, L]
         acc = mix_experts(self.experts, z, idx, w, ctx)  # [T, L]
         if self.norm is not None:

@@ -1,30 +1,35 @@
 """The expert cache: a fixed arena of equal slots (sized by the plan), each holding one (layer, expert)
-blob of the packed store exactly as it is on disk, read by the BlobReader. Experts computed from a slot
-are Weights over the slot's bytes: the same bytes and the same kernels as a resident run, so the cache
+exactly as its bytes lie on disk: the packed store's blob, or the ranges of a checkpoint's shards or a
+GGUF file that hold the expert's matrices, read by the BlobReader. Experts computed from a slot are
+Weights over the slot's bytes: the same bytes and the same kernels as a resident run, so the cache
 changes how fast a token comes, never which token."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from ..models.base import Ctx, Expert
 from ..quant import Weight
 from .policies import Policy
 from .reader import ALIGN, BlobReader, aligned_empty
 
 Key = tuple[int, int]  # (MoE layer index, expert id)
+MATRICES = ("gate", "up", "down")
 
 
 @dataclass
 class Part:
-    """Where one buffer of a template Weight lies inside its expert's blob."""
+    """Where one buffer of a template Weight lies inside its expert's slot."""
 
     attr: str  # "data" or "scales"
     offset: int
@@ -34,38 +39,107 @@ class Part:
 
 
 @dataclass
+class Range:
+    """One read that fills part of a slot: nbytes at offset of file number `file`, into the slot at
+    slot_offset (offset and slot_offset are 4096-aligned, as O_DIRECT needs)."""
+
+    file: int
+    offset: int
+    nbytes: int
+    slot_offset: int = 0
+    crc: int | None = None  # CRC-32C of the nbytes, checked on every read (packed stores)
+
+
+@dataclass
 class Template:
-    """One expert as the builder made it over the memory map (never touched), and its blob."""
+    """One expert as the builder made it over the memory maps (never touched), and where its bytes are."""
 
     expert: Expert
-    offset: int  # of the blob in the expert file
-    nbytes: int
-    parts: dict[str, list[Part]]  # "gate" / "up" / "down" -> buffers inside the blob
-    crc: int | None = None  # the blob's CRC-32C, checked on every read
+    ranges: list[Range]
+    nbytes: int  # of the slot the ranges fill
+    parts: dict[str, list[Part]]  # "gate" / "up" / "down" -> buffers inside the slot
+
+
+class FileMaps:
+    """The memory maps a model's weights are views of: which file, and where in it, a buffer lies."""
+
+    def __init__(self, files: list[tuple[Path, np.ndarray]]):
+        self.paths = [p for p, _ in files]
+        self.maps = [m for _, m in files]
+        order = sorted(range(len(files)), key=lambda i: int(files[i][1].ctypes.data))
+        self._bases = [int(files[i][1].ctypes.data) for i in order]
+        self._order = order
+
+    def locate(self, buf: np.ndarray) -> tuple[int, int] | None:
+        """(file number, byte offset) of buf's first byte when all of buf lies in one map, else None."""
+        addr = int(buf.ctypes.data)
+        j = bisect.bisect_right(self._bases, addr) - 1
+        if j < 0:
+            return None
+        i = self._order[j]
+        off = addr - self._bases[j]
+        return (i, off) if off + int(buf.nbytes) <= int(self.maps[i].size) else None
+
+
+def _buffers(expert: Expert) -> Iterator[tuple[str, str, np.ndarray]]:
+    for name in MATRICES:
+        w: Weight = getattr(expert, name)
+        for attr in ("data", "scales"):
+            buf = getattr(w, attr)
+            if buf is not None:
+                yield name, attr, buf
 
 
 def template_of(
     expert: Expert, blob_offset: int, blob_nbytes: int, map_addr: int, map_size: int, crc: int | None = None
 ) -> Template:
-    parts: dict[str, list[Part]] = {}
-    for name in ("gate", "up", "down"):
-        w: Weight = getattr(expert, name)
-        plist = []
-        for attr in ("data", "scales"):
-            buf = getattr(w, attr)
-            if buf is None:
-                continue
-            addr = buf.ctypes.data
-            if not map_addr <= addr < map_addr + map_size:
-                if attr == "data":
-                    raise ValueError("an expert matrix is not a view of the packed expert file")
-                continue  # a converted copy (small scales): stays as it is
-            off = addr - map_addr - blob_offset
-            if not 0 <= off and off + buf.nbytes <= blob_nbytes:
-                raise ValueError("an expert matrix lies outside its blob")
-            plist.append(Part(attr, off, int(buf.nbytes), buf.dtype, tuple(buf.shape)))
-        parts[name] = plist
-    return Template(expert, blob_offset, blob_nbytes, parts, crc)
+    """An expert of a packed store: its blob is one read, and its buffers lie inside it."""
+    parts: dict[str, list[Part]] = {name: [] for name in MATRICES}
+    for name, attr, buf in _buffers(expert):
+        addr = buf.ctypes.data
+        if not map_addr <= addr < map_addr + map_size:
+            if attr == "data":
+                raise ValueError("an expert matrix is not a view of the packed expert file")
+            continue  # a converted copy (small scales): stays as it is
+        off = addr - map_addr - blob_offset
+        if not 0 <= off and off + buf.nbytes <= blob_nbytes:
+            raise ValueError("an expert matrix lies outside its blob")
+        parts[name].append(Part(attr, off, int(buf.nbytes), buf.dtype, tuple(buf.shape)))
+    return Template(expert, [Range(0, blob_offset, blob_nbytes, 0, crc)], blob_nbytes, parts)
+
+
+def mapped_template(expert: Expert, maps: FileMaps, where: str) -> Template:
+    """An expert whose matrices are views of a checkpoint's or a GGUF's files: each run of its buffers
+    that lie together in one file (their 4096-aligned spans touch) is one read, placed in the slot at the
+    next aligned offset; each buffer sits in the slot at its distance from its read's aligned start."""
+    located = []
+    for name, attr, buf in _buffers(expert):
+        at = maps.locate(buf)
+        if at is None:
+            if attr == "data":
+                raise InputError(
+                    f"{where}: an expert matrix is converted at load, so it cannot be read from the file "
+                    "within a budget; make a packed store with `moestream pack`"
+                )
+            continue  # a converted copy (small scales): stays as it is
+        located.append((at[0], at[1], name, attr, buf))
+    located.sort(key=lambda b: (b[0], b[1]))
+    runs: list[list[Any]] = []  # [file, aligned start, end, members]
+    for f, off, name, attr, buf in located:
+        start, end = off - off % ALIGN, off + int(buf.nbytes)
+        if runs and runs[-1][0] == f and start <= -(-runs[-1][2] // ALIGN) * ALIGN:
+            runs[-1][2] = max(runs[-1][2], end)
+            runs[-1][3].append((off, name, attr, buf))
+        else:
+            runs.append([f, start, end, [(off, name, attr, buf)]])
+    parts: dict[str, list[Part]] = {name: [] for name in MATRICES}
+    ranges, at_slot = [], 0
+    for f, start, end, members in runs:
+        ranges.append(Range(f, start, end - start, at_slot))
+        for off, name, attr, buf in members:
+            parts[name].append(Part(attr, at_slot + off - start, int(buf.nbytes), buf.dtype, tuple(buf.shape)))
+        at_slot += -(-(end - start) // ALIGN) * ALIGN
+    return Template(expert, ranges, at_slot, parts)
 
 
 def _rebased(w: Weight, parts: list[Part], slot: np.ndarray) -> Weight:
@@ -106,7 +180,7 @@ class ExpertCache:
         self.slot_of: dict[Key, int] = {}
         self.key_of: dict[int, Key] = {}
         self.built: dict[Key, Expert] = {}
-        self.pending: dict[Key, Future[None]] = {}
+        self.pending: dict[Key, list[Future[None]]] = {}
         self.pins: dict[Key, int] = {}
         self.prefetched: set[Key] = set()
         self.trace: list[tuple[int, list[int]]] | None = None
@@ -144,16 +218,22 @@ class ExpertCache:
         buf = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
         self.slot_of[key] = slot
         self.key_of[slot] = key
-        self.pending[key] = self.reader.submit(t.offset, t.nbytes, buf, t.crc)
+        self.pending[key] = [
+            self.reader.submit(r.offset, r.nbytes, buf[r.slot_offset :], r.crc, r.file) for r in t.ranges
+        ]
         self.policy.insert(key)
 
     def _ready(self, key: Key) -> Expert:
-        fut = self.pending.pop(key, None)
-        if fut is not None:
+        futs = self.pending.pop(key, None)
+        if futs is not None:
             t0 = time.perf_counter()
             try:
-                fut.result()
+                for fut in futs:
+                    fut.result()
             except BaseException:
+                for fut in futs:  # the slot goes back only once no read can still write into it
+                    if not fut.cancel():
+                        fut.exception()
                 self._forget(key)
                 raise
             self.stats.wait_seconds += time.perf_counter() - t0
@@ -219,9 +299,13 @@ class ExpertCache:
 
     def drain(self) -> None:
         for key in list(self.pending):
-            try:
-                self.pending.pop(key).result()
-            except Exception:
+            failed = False
+            for fut in self.pending.pop(key):
+                try:
+                    fut.result()
+                except Exception:
+                    failed = True
+            if failed:
                 self._forget(key)
 
 
@@ -234,8 +318,13 @@ class StreamedExperts:
         self._x: np.ndarray | None = None
         self._ctx: Ctx | None = None
 
+    at_hand = False  # experts are served in groups by fetch, pinned while a group runs
+
     def __len__(self) -> int:
         return self.n
+
+    def __getitem__(self, e: int) -> Expert:
+        raise TypeError("streamed experts are served by fetch(), not by index")
 
     def announce(self, x: np.ndarray, ctx: Ctx) -> None:
         """The current layer's router input: predicts the next layer's experts once demand reads are out."""

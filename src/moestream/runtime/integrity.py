@@ -21,7 +21,7 @@ import numpy as np
 from .. import _C
 from ..errors import IntegrityError
 from ..formats.packed import PackedStore, _group_key, checks_enabled, mismatch
-from ..models.base import Expert
+from ..models.base import Expert, ResidentExperts
 from .reader import aligned_empty
 
 Entry = dict[str, Any]  # a manifest range: file, offset, nbytes, crc32c
@@ -68,7 +68,7 @@ class ResidentChecks:
         pass
 
 
-class CheckedExperts(list[Expert]):
+class CheckedExperts(ResidentExperts):
     """A resident layer's routed experts: an expert's blob is checked in the map the first time it is
     taken (mix_experts takes each chosen expert by index)."""
 
@@ -94,7 +94,7 @@ def install_resident_checks(decoder: Any, store: PackedStore) -> None:
     if getattr(decoder, "hooks", False) is None:
         decoder.hooks = ResidentChecks(store)
     for i, moe in moe_layers(decoder):
-        if isinstance(moe.experts, list) and not isinstance(moe.experts, CheckedExperts):
+        if type(moe.experts) is ResidentExperts:
             moe.experts = CheckedExperts(moe.experts, i, store)
 
 

@@ -29,22 +29,15 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 
 
 class BlobReader:
-    def __init__(self, path: Path, io_threads: int = 4):
-        self.path = Path(path)
-        self.direct = True
-        try:
-            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        except OSError:
-            self.fd = os.open(self.path, os.O_RDONLY)
-            self.direct = False
-        if self.direct:  # some file systems accept the flag at open and refuse the reads
-            probe = aligned_empty(ALIGN)
-            try:
-                _C.pread(self.fd, probe, 0, ALIGN)
-            except OSError:
-                os.close(self.fd)
-                self.fd = os.open(self.path, os.O_RDONLY)
-                self.direct = False
+    """Reads of one file or several (a checkpoint's shards): reads name their file by number."""
+
+    def __init__(self, paths: Path | list[Path], io_threads: int = 4):
+        self.paths = [Path(p) for p in (paths if isinstance(paths, list) else [paths])]
+        self.path = self.paths[0]
+        opened = [self._open(p) for p in self.paths]
+        self.fds = [fd for fd, _ in opened]
+        self.direct_fds = [direct for _, direct in opened]
+        self.direct = all(self.direct_fds)  # what the report says: every read bypasses the page cache
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="moestream-io")
         self.reads = 0
         self.bytes_read = 0
@@ -53,36 +46,56 @@ class BlobReader:
         fault = os.environ.get(FAULT_ENV)
         self._fail_at = int(fault) if fault and fault.isdigit() else 0
 
-    def submit(self, offset: int, nbytes: int, into: np.ndarray, crc: int | None = None) -> Future[None]:
-        """Reads nbytes at offset into the buffer `into` (aligned, at least nbytes rounded up to 4096) and,
-        given their CRC-32C, checks them in the I/O thread (the GIL is released for both)."""
+    @property
+    def fd(self) -> int:
+        return self.fds[0]
+
+    @staticmethod
+    def _open(path: Path) -> tuple[int, bool]:
+        """(descriptor, O_DIRECT?): buffered where the file system refuses O_DIRECT (tmpfs)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            return os.open(path, os.O_RDONLY), False
+        probe = aligned_empty(ALIGN)
+        try:  # some file systems accept the flag at open and refuse the reads
+            _C.pread(fd, probe, 0, ALIGN)
+        except OSError:
+            os.close(fd)
+            return os.open(path, os.O_RDONLY), False
+        return fd, True
+
+    def submit(self, offset: int, nbytes: int, into: np.ndarray, crc: int | None = None, file: int = 0) -> Future[None]:
+        """Reads nbytes at offset of file number `file` into the buffer `into` (aligned, at least nbytes
+        rounded up to 4096) and, given their CRC-32C, checks them in the I/O thread (the GIL is released
+        for both)."""
         with self._lock:
             self.reads += 1
             n = self.reads
-        return self.pool.submit(self._read, offset, nbytes, into, n, crc if checks_enabled() else None)
+        return self.pool.submit(self._read, file, offset, nbytes, into, n, crc if checks_enabled() else None)
 
-    def _read(self, offset: int, nbytes: int, into: np.ndarray, n: int, crc: int | None) -> None:
-        length = -(-nbytes // ALIGN) * ALIGN if self.direct else nbytes
+    def _read(self, file: int, offset: int, nbytes: int, into: np.ndarray, n: int, crc: int | None) -> None:
+        path, fd = self.paths[file], self.fds[file]
+        length = -(-nbytes // ALIGN) * ALIGN if self.direct_fds[file] else nbytes
         t0 = time.perf_counter()
         try:
-            got = _C.pread(self.fd, into, offset, length)
+            got = _C.pread(fd, into, offset, length)
         except OSError as e:
-            raise IntegrityError(
-                f"{self.path}: read of {nbytes} bytes at offset {offset} failed: {e.strerror}"
-            ) from None
+            raise IntegrityError(f"{path}: read of {nbytes} bytes at offset {offset} failed: {e.strerror}") from None
         if n == self._fail_at:
             got = nbytes // 2  # injected fault (tests)
         if got < nbytes:
-            raise IntegrityError(f"{self.path}: short read at offset {offset}: {got} of {nbytes} bytes")
+            raise IntegrityError(f"{path}: short read at offset {offset}: {got} of {nbytes} bytes")
         if crc is not None and _C.crc32c(into[:nbytes]) != crc:
-            raise IntegrityError(mismatch(self.path, {"offset": offset, "nbytes": nbytes}))
+            raise IntegrityError(mismatch(path, {"offset": offset, "nbytes": nbytes}))
         with self._lock:
             self.bytes_read += nbytes
             self.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        os.close(self.fd)
+        for fd in self.fds:
+            os.close(fd)
 
 
 def read_bandwidth(path: Path, block: int, seconds: float = 2.0, in_flight: int = 4) -> tuple[float, bool]:

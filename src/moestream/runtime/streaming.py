@@ -1,22 +1,25 @@
-"""Running a packed store within a RAM budget: the plan is made from the store's manifest, the routed
-experts of every MoE layer are served by one ExpertCache (O_DIRECT reads, prefetch of the next layer's
-predicted experts), and the trunk is pinned part by part as the plan allows, the rest read one part ahead
-and dropped from memory after it has run. Nothing here changes a number the model computes."""
+"""Running a model within a RAM budget, from a packed store or straight from the files it came in (a
+checkpoint's safetensors shards, a GGUF): the plan is made from where the model's bytes lie, the routed
+experts of every MoE layer are served by one ExpertCache (O_DIRECT reads of their own byte ranges,
+prefetch of the next layer's predicted experts), and the trunk is pinned part by part as the plan allows,
+the rest read one part ahead and dropped from memory after it has run. Nothing here changes a number the
+model computes."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputError
 from ..formats.packed import PackedStore, _group_key
-from ..models.base import Expert
-from .expert_cache import ExpertCache, StreamedExperts, Template, template_of
+from ..models.base import Expert, ResidentExperts
+from .expert_cache import ExpertCache, FileMaps, StreamedExperts, Template, mapped_template, template_of
 from .integrity import TrunkVerifier, part_entries
 from .planner import RUNTIME_GROWTH, SCRATCH_BASE, Plan, cache_bytes, make_plan, rss_now
 from .policies import DEFAULT_POLICY, make_policy
@@ -24,21 +27,58 @@ from .reader import ALIGN, BlobReader
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
+Span = tuple[int, int, int]  # (file number, start, end): a page-aligned byte range of one of the trunk's files
 
-def trunk_groups(store: PackedStore) -> dict[str, tuple[int, int]]:
-    """Trunk part -> page-aligned byte range [start, end) of trunk.bin (the parts of part_entries)."""
+
+def _aligned(start: int, end: int) -> tuple[int, int]:
+    return start - start % ALIGN, -(-end // ALIGN) * ALIGN
+
+
+def merged(spans: list[Span]) -> list[Span]:
+    """The spans sorted, with those that overlap or touch joined."""
+    out: list[Span] = []
+    for f, a, b in sorted(spans):
+        if out and out[-1][0] == f and a <= out[-1][2]:
+            out[-1] = (f, out[-1][1], max(out[-1][2], b))
+        else:
+            out.append((f, a, b))
+    return out
+
+
+def without(spans: list[Span], holes: list[Span]) -> list[Span]:
+    """What of spans lies outside every hole (both merged)."""
+    out: list[Span] = []
+    for f, a, b in spans:
+        for hf, ha, hb in holes:
+            if hf != f or hb <= a or ha >= b:
+                continue
+            if ha > a:
+                out.append((f, a, ha))
+            a = max(a, hb)
+            if a >= b:
+                break
+        if a < b:
+            out.append((f, a, b))
+    return out
+
+
+def trunk_groups(store: PackedStore) -> dict[str, list[Span]]:
+    """Trunk part -> the page-aligned byte range of trunk.bin it lies in (the parts of part_entries)."""
     out = {}
     for g, entries in part_entries(store).items():
         a = min(e["offset"] for e in entries)
         b = max(e["offset"] + e["nbytes"] for e in entries)
-        out[g] = (a - a % ALIGN, -(-b // ALIGN) * ALIGN)
+        out[g] = [(0, *_aligned(a, b))]
     return out
+
+
+def decoder_layers(decoder: Any) -> list[Any]:
+    return list(getattr(decoder, "blocks", None) or getattr(decoder, "layers", []))
 
 
 def moe_layers(decoder: Any) -> list[tuple[int, Any]]:
     """(layer index, the layer's MoE object) for every layer with routed experts."""
-    layers = getattr(decoder, "blocks", None) or getattr(decoder, "layers", [])
-    return [(i, layer.ffn) for i, layer in enumerate(layers) if hasattr(layer.ffn, "experts")]
+    return [(i, layer.ffn) for i, layer in enumerate(decoder_layers(decoder)) if hasattr(layer.ffn, "experts")]
 
 
 def _span(arr: Any, base: int) -> tuple[int, int]:
@@ -92,70 +132,82 @@ def head_chunk_rows(weight: Any, chunk_bytes: int) -> int:
     return max(align, chunk_bytes // per_row // align * align)
 
 
-def chunkable_head(decoder: Any, store: PackedStore) -> Any:
-    """The decoder's lm_head Weight if it lies in the trunk map (so it can stream in chunks), else None."""
+def chunkable_head(decoder: Any, maps: FileMaps) -> tuple[Any, int] | None:
+    """(the decoder's lm_head Weight, its file number) if it lies in one of the maps (so it can stream in
+    row chunks), else None."""
     w = getattr(decoder, "lm_head", None)
-    trunk = store.maps.get("trunk")
-    if w is None or trunk is None or not hasattr(w, "row_slice"):
+    if w is None or not hasattr(w, "row_slice"):
         return None
-    base, size = int(trunk.ctypes.data), int(trunk.size)
+    files = set()
     for arr in (w.data, w.scales):
-        if arr is not None and not 0 <= int(arr.ctypes.data) - base <= size - int(arr.nbytes):
+        at = maps.locate(arr) if arr is not None else None
+        if arr is not None and at is None:
             return None
-    return w
+        if at is not None:
+            files.add(at[0])
+    return (w, files.pop()) if len(files) == 1 else None
 
 
 class TrunkStreamer:
     """TrunkHooks: pinned parts are read once at start; an unpinned part is read ahead (WILLNEED) when
-    the part before it starts and dropped from this process's memory (DONTNEED) once it has run. Each part
-    is checked against its CRCs before it runs (TrunkVerifier: unpinned parts on every pass, one part
-    ahead; pinned ones and the embedding once)."""
+    the part before it starts and dropped from this process's memory (DONTNEED) once it has run (except
+    pages a pinned part shares). In a packed store each part is checked against its CRCs before it runs
+    (TrunkVerifier: unpinned parts on every pass, one part ahead; pinned ones and the embedding once)."""
 
     def __init__(
         self,
-        store: PackedStore,
-        groups: dict[str, tuple[int, int]],
+        maps: list[Any],
+        groups: dict[str, list[Span]],
         pinned: list[str],
         chunked: dict[str, ChunkedHead] | None = None,
+        verifier: TrunkVerifier | None = None,
     ):
-        self.mm = getattr(store.maps["trunk"], "_mmap", None)
+        self.mms = [getattr(m, "_mmap", None) for m in maps]
         self.groups, self.pinned = groups, set(pinned)
+        kept = merged([sp for g in self.pinned for sp in groups.get(g, [])])
+        self.droppable = {g: without(merged(spans), kept) for g, spans in groups.items() if g not in self.pinned}
         self.chunked = chunked or {}
         self.order = sorted(groups, key=lambda g: _group_key(g.replace("layer.", "layers.") + "."))
         self.next = {g: self.order[i + 1] for i, g in enumerate(self.order[:-1])}
         self.next[self.order[-1]] = self.order[0]
-        self.verifier = TrunkVerifier(store, once=self.pinned | {"embed"})
+        self.verifier = verifier
         for g in self.pinned:
-            self._advise(g, MADV_POPULATE_READ, mmap.MADV_WILLNEED)
+            self._advise(groups.get(g, []), MADV_POPULATE_READ, mmap.MADV_WILLNEED)
 
-    def _advise(self, g: str, opt: int, fallback: int | None = None) -> None:
-        if self.mm is None or g not in self.groups:
-            return
-        a, b = self.groups[g]
-        b = min(b, len(self.mm))
-        if b <= a:
-            return
-        try:
-            self.mm.madvise(opt, a, b - a)
-        except (OSError, ValueError):
-            if fallback is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    self.mm.madvise(fallback, a, b - a)
+    def _advise(self, spans: list[Span], opt: int, fallback: int | None = None) -> None:
+        for f, a, b in spans:
+            mm = self.mms[f]
+            if mm is None:
+                continue
+            b = min(b, len(mm))
+            if b <= a:
+                continue
+            try:
+                mm.madvise(opt, a, b - a)
+            except (OSError, ValueError):
+                if fallback is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        mm.madvise(fallback, a, b - a)
 
     def enter(self, group: str) -> None:
-        self.verifier.finish(group)
+        if self.verifier is not None:
+            self.verifier.finish(group)
         nxt = self.next.get(group)
-        if nxt is not None:
+        if nxt is not None and self.verifier is not None:
             self.verifier.start(nxt)
         if nxt is not None and nxt not in self.pinned:
             if nxt in self.chunked:  # a part read in chunks: only its first chunk ahead
                 self.chunked[nxt].advise(0, mmap.MADV_WILLNEED)
             else:
-                self._advise(nxt, mmap.MADV_WILLNEED)
+                self._advise(self.groups[nxt], mmap.MADV_WILLNEED)
 
     def leave(self, group: str) -> None:
         if group not in self.pinned:
-            self._advise(group, mmap.MADV_DONTNEED)
+            self._advise(self.droppable.get(group, []), mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        if self.verifier is not None:
+            self.verifier.close()
 
 
 @dataclass
@@ -191,52 +243,148 @@ class Streaming:
     def close(self) -> None:
         self.cache.drain()
         self.reader.close()
-        self.trunk.verifier.close()
+        self.trunk.close()
 
 
 @dataclass
 class Layout:
-    """What planning needs to know of a model in a packed store: a template per (layer, expert), the
-    slot size, the trunk parts and the top-k."""
+    """What planning and streaming need to know of a model's files: a template per (layer, expert) and
+    the files they are read from, the slot size, the trunk parts and the maps they lie in, the top-k."""
 
     layers: list[tuple[int, Any]]
     templates: dict[tuple[int, int], Template]
     slot_bytes: int
-    groups: dict[str, tuple[int, int]]
+    expert_files: list[Path]  # Range.file numbers index this
+    groups: dict[str, list[Span]]  # trunk part -> its spans; Span file numbers index trunk_maps
+    trunk_maps: list[Any]
     top_k: int
+    verifier: Any = None  # () -> TrunkVerifier, given the pinned parts (packed stores)
     head: Any = None  # the lm_head Weight when it can stream in row chunks
+    head_file: int = 0
     head_chunk_rows: int = 0
     head_chunk_bytes: int = 0  # what one chunk needs in flight (planned as the head's streaming room)
+    notes: list[str] = field(default_factory=list)
 
 
-def layout(model: Any, store: PackedStore) -> Layout:
-    decoder = model.decoder
-    layers = moe_layers(decoder)
+def _top_k(layers: list[tuple[int, Any]]) -> int:
+    return max([1, *(int(getattr(moe.router, "top_k", 1)) for _, moe in layers)])
+
+
+def _with_head(lay: Layout, decoder: Any, maps: FileMaps) -> Layout:
+    found = chunkable_head(decoder, maps) if "head" in lay.groups else None
+    if found is None:
+        return lay
+    head, f = found
+    # a chunk as large as the largest layer part: the head then never sets the streaming room
+    layer_max = max((sum(b - a for _, a, b in sp) for g, sp in lay.groups.items() if g.startswith("layer.")), default=0)
+    rows = head_chunk_rows(head, max(layer_max, ALIGN))
+    chunk = -(-rows * max(1, head.nbytes // max(1, head.rows)) // ALIGN) * ALIGN + 2 * ALIGN
+    lay.head, lay.head_file, lay.head_chunk_rows, lay.head_chunk_bytes = head, f, rows, chunk
+    return lay
+
+
+def packed_layout(model: Any, store: PackedStore) -> Layout:
+    """A packed store: each expert one blob of experts.bin (checked by its CRC on every read), each trunk
+    part one range of trunk.bin."""
+    layers = moe_layers(model.decoder)
     blobs = store.manifest.get("expert_blobs", {})
     if not layers or not blobs:
-        raise InputError(f"{store.path}: --ram needs a model with routed experts in a packed store")
+        raise InputError(f"{store.path}: --ram needs a model with routed experts")
     exp_map = store.maps["experts"]
     map_addr, map_size = exp_map.ctypes.data, int(exp_map.size)
     templates: dict[tuple[int, int], Template] = {}
-    top_k = 1
     for i, moe in layers:
-        top_k = max(top_k, int(getattr(moe.router, "top_k", 1)))
         for e, ex in enumerate(moe.experts):
             b = blobs.get(f"{i}.{e}")
             if b is None:
                 raise InputError(f"{store.path}: the manifest has no blob for layer {i} expert {e}")
             templates[(i, e)] = template_of(ex, b["offset"], b["nbytes"], map_addr, map_size, b["crc32c"])
-    slot_bytes = max(t.nbytes for t in templates.values())
-    slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
-    groups = trunk_groups(store)
-    head = chunkable_head(decoder, store) if "head" in groups else None
-    if head is None:
-        return Layout(layers, templates, slot_bytes, groups, top_k)
-    # a chunk as large as the largest layer part: the head then never sets the streaming room
-    layer_max = max((b - a for g, (a, b) in groups.items() if g.startswith("layer.")), default=0)
-    rows = head_chunk_rows(head, max(layer_max, ALIGN))
-    chunk = -(-rows * max(1, head.nbytes // max(1, head.rows)) // ALIGN) * ALIGN + 2 * ALIGN
-    return Layout(layers, templates, slot_bytes, groups, top_k, head, rows, chunk)
+    slot_bytes = -(-max(t.nbytes for t in templates.values()) // ALIGN) * ALIGN
+    trunk = store.maps["trunk"]
+    lay = Layout(
+        layers,
+        templates,
+        slot_bytes,
+        [store.path / store.manifest["files"]["experts"]],
+        trunk_groups(store),
+        [trunk],
+        _top_k(layers),
+        verifier=lambda pinned: TrunkVerifier(store, once=set(pinned) | {"embed"}),
+    )
+    return _with_head(lay, model.decoder, FileMaps([(store.path / store.manifest["files"]["trunk"], trunk)]))
+
+
+def _reachable_arrays(obj: Any, seen: set[int], out: list[np.ndarray]) -> None:
+    """Every numpy array reachable from obj through moestream's own objects, lists, tuples and dicts; a
+    layer's routed experts are not followed (they are served by the expert cache)."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        out.append(obj)
+    elif isinstance(obj, (ResidentExperts, StreamedExperts)):
+        return
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _reachable_arrays(v, seen, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _reachable_arrays(v, seen, out)
+    elif type(obj).__module__.startswith("moestream."):
+        fields = dict(getattr(obj, "__dict__", {}))
+        for cls in type(obj).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                if hasattr(obj, name):
+                    fields[name] = getattr(obj, name)
+        for v in fields.values():
+            if not callable(v) or isinstance(v, np.ndarray) or hasattr(v, "__dict__") or hasattr(v, "__slots__"):
+                _reachable_arrays(v, seen, out)
+
+
+def trunk_spans(decoder: Any, maps: FileMaps) -> dict[str, list[Span]]:
+    """Trunk part -> the page-aligned spans of the model's files its tensors lie in, found from the
+    tensors themselves (views of the maps): the layers first, then the head (the final norm, lm_head:
+    with tied embeddings the embedding is the head's matrix, as in a packed store), the embedding last."""
+    seen: set[int] = set()
+    objects: dict[str, Any] = {f"layer.{i}": layer for i, layer in enumerate(decoder_layers(decoder))}
+    rest = {k: v for k, v in vars(decoder).items() if k not in ("embed", "blocks", "layers", "hooks")}
+    objects["head"] = rest
+    objects["embed"] = decoder.embed
+    seen.add(id(decoder))
+    groups: dict[str, list[Span]] = {}
+    for g, obj in objects.items():
+        arrays: list[np.ndarray] = []
+        _reachable_arrays(obj, seen, arrays)
+        spans = []
+        for arr in arrays:
+            at = maps.locate(arr)
+            if at is not None and arr.nbytes:
+                spans.append((at[0], *_aligned(at[1], at[1] + int(arr.nbytes))))
+        if spans:
+            groups[g] = merged(spans)
+    return groups
+
+
+def mapped_layout(model: Any, store: Any) -> Layout:
+    """A checkpoint directory or a GGUF file as it is: each expert read from the ranges of the files its
+    matrices lie in (a checkpoint's per-expert tensors, a GGUF's slices of stacked tensors), each trunk part
+    the spans its tensors lie in."""
+    layers = moe_layers(model.decoder)
+    if not layers:
+        raise InputError(f"{store.path}: --ram needs a model with routed experts")
+    files = store.mapped_files()
+    maps = FileMaps(files)
+    templates = {
+        (i, e): mapped_template(ex, maps, str(store.path)) for i, moe in layers for e, ex in enumerate(moe.experts)
+    }
+    slot_bytes = -(-max(t.nbytes for t in templates.values()) // ALIGN) * ALIGN
+    groups = trunk_spans(model.decoder, maps)
+    lay = Layout(layers, templates, slot_bytes, maps.paths, groups, maps.maps, _top_k(layers))
+    return _with_head(lay, model.decoder, maps)
+
+
+def layout(model: Any, store: Any) -> Layout:
+    return packed_layout(model, store) if isinstance(store, PackedStore) else mapped_layout(model, store)
 
 
 def derived_bytes(decoder: Any) -> int:
@@ -256,7 +404,7 @@ def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_token
     """The plan of `budget` for a context of `context` tokens (the longest prompt chunk: prompt_tokens);
     InputError when it cannot fit."""
     decoder = model.decoder
-    sizes = {g: b - a for g, (a, b) in lay.groups.items()}
+    sizes = {g: sum(b - a for _, a, b in spans) for g, spans in lay.groups.items()}
     state = model.new_state()
     kv = sum(cache_bytes(c, context) for c in state.caches)
     E = int(decoder.embed.cols)
@@ -279,7 +427,7 @@ def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_token
 
 def attach(
     model: Any,
-    store: PackedStore,
+    store: Any,
     budget: int,
     context: int,
     prompt_tokens: int,
@@ -290,7 +438,7 @@ def attach(
     switches the model's experts and trunk to streaming. Refuses (InputError) a budget that cannot fit."""
     lay = layout(model, store)
     plan = plan_budget(model, lay, budget, context, prompt_tokens)
-    reader = BlobReader(store.path / store.manifest["files"]["experts"])
+    reader = BlobReader(lay.expert_files)
     if not reader.direct:
         plan.notes.append("O_DIRECT refused by the file system: buffered reads (the page cache is used)")
     cache = ExpertCache(reader, lay.templates, plan.expert_slots, lay.slot_bytes, make_policy(policy))
@@ -305,20 +453,23 @@ def attach(
             se.next = (nxt_moe.router, nxt_se)
     chunked: dict[str, ChunkedHead] = {}
     if lay.head is not None and "head" not in plan.pinned:
-        trunk_map = store.maps["trunk"]
-        mm = getattr(trunk_map, "_mmap", None)
-        chunked["head"] = ChunkedHead(lay.head, lay.head_chunk_rows, mm, int(trunk_map.ctypes.data))
+        head_map = lay.trunk_maps[lay.head_file]
+        mm = getattr(head_map, "_mmap", None)
+        chunked["head"] = ChunkedHead(lay.head, lay.head_chunk_rows, mm, int(head_map.ctypes.data))
         model.decoder.lm_head = chunked["head"]
         plan.notes.append(f"lm_head streamed in {len(chunked['head'].chunks)} chunks of {lay.head_chunk_rows} rows")
-    trunk = TrunkStreamer(store, lay.groups, plan.pinned, chunked)
+    verifier = lay.verifier(plan.pinned) if lay.verifier is not None else None
+    trunk = TrunkStreamer(lay.trunk_maps, lay.groups, plan.pinned, chunked, verifier)
     model.decoder.hooks = trunk
     return Streaming(plan, cache, reader, trunk)
 
 
-class TracingExperts(list[Expert]):
-    """A resident expert list that records which experts each MoE call asks for (run --trace)."""
+class TracingExperts(ResidentExperts):
+    """A resident expert set that records which experts each MoE call asks for (run --trace)."""
 
-    def __init__(self, experts: list[Expert], layer: int, trace: list[tuple[int, list[int]]]):
+    at_hand = False  # every call goes through fetch, so that decode is recorded too
+
+    def __init__(self, experts: ResidentExperts, layer: int, trace: list[tuple[int, list[int]]]):
         super().__init__(experts)
         self.layer, self.trace = layer, trace
         self.source = experts  # taken from, so that a CheckedExperts still checks each blob on first use
