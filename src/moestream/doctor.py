@@ -140,7 +140,7 @@ def estimate(model: Any, lay: Any, plan: planner.Plan, disk_gb_s: float, mem_gb_
     moe_layers = len(lay.layers)
     miss = 1 - min(1.0, plan.expert_slots / max(1, plan.n_experts))
     expert_read = moe_layers * lay.top_k * lay.slot_bytes * miss
-    sizes = {g: b - a for g, (a, b) in lay.groups.items() if g != "embed"}
+    sizes = {g: sum(b - a for _, a, b in spans) for g, spans in lay.groups.items() if g != "embed"}
     trunk_read = sum(n for g, n in sizes.items() if g not in plan.pinned)
     active = moe_layers * lay.top_k * lay.slot_bytes + sum(sizes.values())
     read = expert_read + trunk_read

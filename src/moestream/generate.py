@@ -1,7 +1,7 @@
-"""The Python API: load a checkpoint directory, tokenize, compute logits, generate tokens.
+"""The Python API: load a model, tokenize, compute logits, generate tokens.
 
 import moestream
-model = moestream.load("path/to/checkpoint", threads=2)
+model = moestream.load("Qwen/Qwen3-30B-A3B", ram="8G", threads=2)
 ids = model.tokenize("def fibonacci(n):")
 for token in model.generate(ids, max_new_tokens=32):
     print(model.detokenize([token]), end="")
@@ -24,13 +24,15 @@ from .config import ModelSpec
 from .console import prefill_progress
 from .errors import InputError
 from .formats.checkpoint import Checkpoint
-from .formats.packed import PackedStore, guard_map, is_packed
+from .formats.packed import PackedStore, guard_map
 from .heap import reuse_freed_heap
 from .models.base import Ctx, State
 from .models.base import Model as Network
 from .runtime.integrity import check_logits, install_resident_checks
 from .runtime.planner import mem_available
+from .runtime.streaming import Streaming
 from .sampling import GREEDY, Sampler, SamplingParams, StopMatcher
+from .sources import Source
 from .tokenizer import Tokenizer, load_tokenizer
 
 # Prompts are prefilled in chunks of this many tokens, at every budget and when resident, so that the
@@ -81,7 +83,74 @@ class Model:
         self.ctx = Ctx(threads=threads)
         single_threaded_blas()  # the kernels' threads own the cores (blas_threads.py)
         reuse_freed_heap()  # a layer's arrays reuse the last layer's pages (heap.py)
-        self.store: Any = None  # the Checkpoint or PackedStore the weights are mapped from
+        self.store: Any = None  # the Checkpoint, PackedStore or GGUFStore the weights are mapped from
+        self.source: Source | None = None
+        self.streaming: Streaming | None = None  # the budget's expert cache and trunk streaming, if any
+
+    # ---- memory ----------------------------------------------------------------------------------
+
+    def use_budget(
+        self,
+        ram: int | str,
+        *,
+        context: int = 4096,
+        prompt_tokens: int | None = None,
+        policy: str | None = None,
+        prefetch: bool = True,
+    ) -> Streaming:
+        """Runs the model within `ram` from now on (load(..., ram=) calls this): plans the budget for a
+        context of `context` tokens (the longest prompt chunk: prompt_tokens, default the context),
+        refusing with InputError a budget that cannot hold it; the experts and the trunk parts the plan
+        does not pin are read from the model's files as they are needed. Outputs do not change."""
+        from .runtime.policies import DEFAULT_POLICY
+        from .runtime.streaming import attach
+
+        if self.streaming is not None:
+            raise InputError("the model already runs within a budget")
+        budget = _budget(ram)
+        assert budget is not None
+        if not 0 < context <= 1 << 24:
+            raise InputError(f"context must be between 1 and {1 << 24} tokens, got {context}")
+        self.streaming = attach(
+            self,
+            self.store,
+            budget,
+            context=context,
+            prompt_tokens=context if prompt_tokens is None else prompt_tokens,
+            policy=policy or DEFAULT_POLICY,
+            prefetch=prefetch,
+        )
+        return self.streaming
+
+    def report(self, stats: GenerationStats | None = None) -> dict[str, Any]:
+        """The run report `--report` writes: tokens and times (of stats), and within a budget the expert
+        traffic, the plan and peak RSS."""
+        from .runtime.planner import peak_rss
+
+        s = (stats or GenerationStats()).as_dict()
+        gen = max(1, int(s["generated_tokens"]))
+        rep: dict[str, Any] = {**s, "threads": self.threads, "peak_rss": peak_rss()}
+        rep["decode_seconds_per_token"] = float(s["decode_seconds"]) / max(1, gen - 1)
+        if self.streaming is not None:
+            st = self.streaming.stats()
+            tokens = int(s["prompt_tokens"]) + gen
+            st["bytes_read_per_token"] = st["bytes_read"] / max(1, tokens)
+            st["decode_bytes_read_per_token"] = (st["bytes_read"] - st["prefill_bytes_read"]) / max(1, gen - 1)
+            st["read_mb_s"] = st["bytes_read"] / 1e6 / st["read_seconds"] if st["read_seconds"] else 0.0
+            rep["streaming"] = st
+            rep["plan"] = self.streaming.plan.as_dict()
+        return rep
+
+    def close(self) -> None:
+        """Ends streaming (waits for reads in flight, closes the files it reads); resident: nothing."""
+        if self.streaming is not None:
+            self.streaming.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def threads(self) -> int:
@@ -265,42 +334,81 @@ class TextStream:
         return self
 
 
-def load(path: str | os.PathLike[str] | None = None, threads: int | None = None, preload: bool | None = None) -> Model:
-    """Opens a checkpoint directory (config.json + safetensors + tokenizer, or a packed store; None: the
-    embedded demo model). Weights are multiplied in their stored format from a memory map; nothing is
-    converted. preload=True reads and maps every page at load time (no page faults while generating), False
-    maps pages on first use, None (default) preloads when the checkpoint takes less than 3/4 of the
-    available memory."""
-    if path is None:
-        from .default_model import default_model_path
+def _open_store(source: Source, preload: bool | None) -> Any:
+    """The tensor store of a resolved source; preload None: when it takes under 3/4 of free memory."""
+    cls: Any
+    if source.kind == "gguf":
+        from .formats.gguf import GGUFStore
 
-        path = default_model_path()
-    p = Path(path)
-    store: Checkpoint | PackedStore
-    if is_packed(p):
-        store = PackedStore(p)
-        if preload is None:
-            preload = store.nbytes < 0.75 * mem_available()
-        if preload:
-            store = PackedStore(p, preload=True)
+        cls = GGUFStore
     else:
-        store = Checkpoint(p)
-        if preload is None:
-            preload = store.nbytes < 0.75 * mem_available()
-        if preload:
-            store = Checkpoint(p, preload=True)
-    ckpt = store
-    spec = models.read_spec(ckpt.config)
-    decoder = models.build(ckpt, spec)  # type: ignore[arg-type]  # a PackedStore reads like a Checkpoint
-    tok = load_tokenizer(p)
+        cls = PackedStore if source.kind == "packed" else Checkpoint
+    store = cls(source.path)
+    if preload is None:
+        preload = store.nbytes < 0.75 * mem_available()
+    return cls(source.path, preload=True) if preload else store
+
+
+def _tokenizer(source: Source, store: Any) -> Tokenizer | None:
+    if source.kind == "gguf":
+        from .gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(store)
+    return load_tokenizer(source.path)
+
+
+def load(
+    source: str | os.PathLike[str] | None = None,
+    threads: int | None = None,
+    preload: bool | None = None,
+    *,
+    ram: int | str | None = None,
+    context: int = 4096,
+    cache_policy: str | None = None,
+    prefetch: bool = True,
+    progress: bool = True,
+) -> Model:
+    """Opens a model: a checkpoint directory (config.json + safetensors + tokenizer), a packed store, a
+    .gguf file (or the first part of a split one), a Hugging Face repo id (`org/name`, `org/name@rev`,
+    `org/name:Q4_K_M`; fetched into the hub's cache) or "demo" (None: the embedded demo model).
+
+    Weights are multiplied in their stored format from a memory map; nothing is converted. Without ram,
+    preload=True reads every page at load time, False maps pages on first use, None (default) preloads when
+    the model takes less than 3/4 of the available memory. With ram (bytes, or a size such as "8G", or a
+    preset name such as "laptop"), the model runs within that budget for contexts of up to `context`
+    tokens: the same planner, the same report and the same bytes out as `--ram` (model.streaming, and
+    model.close() when done)."""
+    from .sources import resolve
+
+    src = resolve(source, progress=progress)
+    budget = _budget(ram)
+    store = _open_store(src, False if budget is not None else preload)
+    spec = models.read_spec(store.config)
+    decoder = models.build(store, spec)
+    tok = _tokenizer(src, store)
     n = default_threads() if threads is None else int(threads)
     if n < 1:
         raise InputError(f"threads must be at least 1, got {n}")
-    model = Model(p, spec, decoder, tok, n)
-    model.store = store
+    model = Model(src.path, spec, decoder, tok, n)
+    model.store, model.source = store, src
     if isinstance(store, PackedStore):
         install_resident_checks(decoder, store)
     else:  # the packed store registers its own maps
-        for mf in store._maps.values():
-            guard_map(mf.map, mf.path)
+        for path, arr in store.mapped_files():
+            guard_map(arr, path)
+    if budget is not None:
+        model.use_budget(budget, context=context, policy=cache_policy, prefetch=prefetch)
     return model
+
+
+def _budget(ram: int | str | None) -> int | None:
+    """Bytes of a budget given as bytes, a size ("8G") or a preset name; None: no budget."""
+    from .runtime import planner
+
+    if ram is None or isinstance(ram, int):
+        if isinstance(ram, int) and not 0 < ram <= planner.MAX_SIZE:
+            raise InputError(f"ram: {ram} bytes is not a budget")
+        return ram
+    if ram in planner.PRESETS or ram in ("auto", "max"):
+        return planner.resolve_budget(None, ram)
+    return planner.resolve_budget(ram, None)
