@@ -63,9 +63,15 @@ def test_memory_ladder_table_json_and_png(k3_pack, tmp_path):
 
 def test_bench_refuses_what_it_cannot_run(tmp_path, k3_pack):
     assert_user_error(cli("bench", str(tmp_path / "none"), "--ram", "1G"), "does not exist")
-    assert_user_error(cli("bench", str(moestream.load().path), "--ram", "1G"), "moestream pack")
     assert_user_error(cli("bench", str(k3_pack), "--ram", "lots"), "--ram")
     assert_user_error(cli("bench", str(k3_pack), "--ram", "1G", "--plot", str(tmp_path / "x" / "p.png")), "--plot")
+
+
+def test_bench_runs_a_checkpoint_as_it_is():
+    """The demo is a safetensors checkpoint: its experts stream from their own offsets, no pack needed."""
+    p = cli("bench", "demo", "--ram", "12M,max", "--gen", "3", "--prompt-tokens", "4")
+    assert p.returncode == 0, p.stderr
+    assert "refused" not in p.stdout and "generated ids identical at every budget: yes" in p.stdout
 
 
 def test_streams_text_names_only_the_cases_that_differ():
@@ -89,8 +95,10 @@ def test_doctor_reports_the_machine_and_recommends_a_preset(k3_pack):
     )
     assert re.search(r"disk: [0-9.]+ GB/s random", out)
     assert re.search(r"recommendation: --preset \w+ \([0-9.]+ GiB\): about [0-9.]+ s/token", out)
-    p = cli("doctor", "--seconds", "0.2")  # the demo model: resident, no ladder
-    assert p.returncode == 0 and "not a packed store" in p.stdout
+    p = cli("doctor", "--seconds", "0.2")  # the demo, a checkpoint: the ladder of its own files
+    assert p.returncode == 0 and "model: demo (kimi_k3)" in p.stdout
+    assert re.search(r"disk: [0-9.]+ GB/s random .* reads of model-\d+-of-\d+\.safetensors", p.stdout)
+    assert re.search(r"recommendation: --preset \w+", p.stdout)
     blas = blas_facts()  # what this test process loaded: the same numpy as the CLI's
     assert f"numpy BLAS: {blas['library']} {blas['version']}, {blas['architecture']} kernels" in p.stdout
 

@@ -5,6 +5,7 @@ exit code 4 and no token after the fault; the planner refuses a budget below its
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -197,6 +198,28 @@ def test_checkpoint_experts_are_read_from_their_own_tensors(checkpoint, tmp_path
         assert r.offset % 4096 == 0 and r.nbytes <= t.nbytes <= lay.slot_bytes
         for parts in t.parts.values():
             assert all(r.slot_offset <= p.offset and p.offset + p.nbytes <= r.slot_offset + r.nbytes for p in parts)
+
+
+def test_load_with_ram_is_the_run_with_ram(store, tmp_path):
+    """moestream.load(X, ram=B) is --ram B: the same plan, the same bytes out as the resident run, and the
+    same report fields; a budget below the minimum is the same refusal."""
+    import moestream
+
+    ids, logits, _ = resident(store, tmp_path)
+    budget = minimum_budget(store) + 2
+    prompt = [int(x) for x in PROMPT.split(",")]
+    with moestream.load(str(store), ram=f"{budget}M", context=len(prompt) + GEN, threads=1) as model:
+        assert model.streaming is not None
+        out: list[np.ndarray] = []
+        got = list(model.generate(prompt, GEN, stop_at_eos=False, logits_out=out))
+        report = model.report()
+    assert got == ids
+    assert np.stack(out).astype(np.float32).tobytes() == np.load(io.BytesIO(logits)).tobytes()
+    _, _, cli_report = run(store, tmp_path, "budget", "--ram", f"{budget}M", "--threads", "1")
+    assert set(report["streaming"]) == set(cli_report["streaming"]) and set(report["plan"]) == set(cli_report["plan"])
+    assert report["streaming"]["expert_requests"] > 0 and report["streaming"]["bytes_read"] > 0
+    with pytest.raises(InputError, match="needs at least"):
+        moestream.load(str(store), ram="1M")
 
 
 def test_trace_replays_and_lfu_beats_lru(packed, tmp_path):

@@ -15,7 +15,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .generate import GenerationStats
-    from .runtime.streaming import Streaming
 
 from .atomic import atomic_write
 from .config import MAX_VOCAB
@@ -147,6 +146,13 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+DEMO_DEFAULT = "; omitted: demo"
+SOURCE_HELP = (
+    "the model: a checkpoint directory, a packed store, a .gguf file (the first part of a split one), a "
+    "Hugging Face id org/name[@revision] (fetched into the hub cache), or demo (the embedded model)" + DEMO_DEFAULT
+)
+
+
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", "-t", type=_int_at_least(1, MAX_THREADS), default=None, help="kernel threads (default: all cores)"
@@ -156,7 +162,7 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     from .runtime.policies import DEFAULT_POLICY, POLICIES
 
-    mem = p.add_argument_group("memory budget (packed stores: see `moestream pack`)")
+    mem = p.add_argument_group("memory budget (any model: experts are read from its own files)")
     mem.add_argument(
         "--ram", metavar="SIZE", type=_ram_size, help="RAM budget, e.g. 8G or 512M: experts and trunk stream from disk"
     )
@@ -180,11 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate text from a prompt",
         description="Generation from a prompt (greedy unless --temperature is given).",
     )
-    r.add_argument(
-        "model",
-        nargs="?",
-        help="checkpoint directory (config.json + safetensors); omitted: the embedded default model",
-    )
+    r.add_argument("model", nargs="?", help=SOURCE_HELP)
     src = r.add_mutually_exclusive_group()
     src.add_argument("--prompt", "-p", help="prompt text")
     src.add_argument("--prompt-file", "-f", type=Path, help="read the prompt text from this file")
@@ -226,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         "base models) and each turn prefills only what is new. Type /reset to start over, /exit to leave. "
         "When stdin is not a terminal each line is one user turn.",
     )
-    c.add_argument("model", nargs="?", help="checkpoint directory; omitted: the embedded default model")
+    c.add_argument("model", nargs="?", help=SOURCE_HELP)
     c.add_argument("--system", "-s", help="system prompt")
     c.add_argument("--gen", "-n", type=_int_at_least(1), default=256, help="most tokens per reply (default 256)")
     c.add_argument("--history", type=Path, metavar="FILE.jsonl", help="resume from and append to this history")
@@ -249,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Requests are served one at a time, in arrival order; a client that leaves is dropped. SIGTERM or "
         "SIGINT ends the requests in flight (with an error saying so) and exits 0.",
     )
-    v.add_argument("model", nargs="?", help="checkpoint directory; omitted: the embedded default model")
+    v.add_argument("model", nargs="?", help=SOURCE_HELP)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     v.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default 8000; 0: any free port)")
     v.add_argument("--model-name", help="the model id clients use (default: the directory name)")
@@ -279,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="CPU features and cores, RAM and the cgroup limit, the O_DIRECT read bandwidth of the "
         "model's disk, and the preset recommended for the model with its expected seconds per token.",
     )
-    d.add_argument("model", nargs="?", help="a packed store (default: the embedded demo model)")
+    d.add_argument("model", nargs="?", help=SOURCE_HELP)
     d.add_argument(
         "--seconds", type=_float_in(0.01, 3600), default=2.0, help="how long to measure the disk (default 2)"
     )
@@ -291,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         "hit rate, GB read per token and peak RSS; --plot writes them as a PNG (needs matplotlib: "
         "pip install 'moestream[plot]').",
     )
-    b.add_argument("model", help="a packed store (see `moestream pack`)")
+    b.add_argument("model", help=SOURCE_HELP.removesuffix(DEMO_DEFAULT))
     b.add_argument(
         "--ram", required=True, type=_ram_sizes, help="budgets, comma-separated, e.g. 2G,4G,8G (max: everything)"
     )
@@ -307,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Architecture, layer map, parameter counts (total and active per token) and the bytes of "
         "trunk and routed experts. Needs only config.json; with weights present the bytes are measured.",
     )
-    i.add_argument("model", type=Path, help="checkpoint directory, or a config.json")
+    i.add_argument("model", help=SOURCE_HELP.removesuffix(DEMO_DEFAULT) + ", or a config.json")
 
     k = sub.add_parser(
         "pack",
@@ -403,16 +405,15 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .default_model import default_model_path
     from .generate import GenerationStats, load
     from .runtime import planner
 
     if args.list_presets:
-        _print_presets()
+        planner.print_presets()
         return 0
     budget = planner.resolve_budget(args.ram, args.preset)
-    path = Path(args.model) if args.model else default_model_path()
-    model = load(path, threads=args.threads, preload=False if (args.no_preload or budget is not None) else None)
+    model = load(args.model, threads=args.threads, preload=False if (args.no_preload or budget is not None) else None)
+    name = model.name
     sampling = sampling_from_args(args)
     state = model.new_state()
     pending: list[int] = []
@@ -426,11 +427,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         if target is not None and not target.parent.is_dir():
             raise InputError(f"{flag}: directory {target.parent} does not exist")
     if not args.json and model.tokenizer is None:
-        raise InputError(f"{path}: the model has no tokenizer; use --json to get the generated ids")
+        raise InputError(f"{name}: the model has no tokenizer; use --json to get the generated ids")
     if sampling.stop and model.tokenizer is None:
-        raise InputError(f"{path}: --stop needs a tokenizer (the model has none)")
-    context = len(state.ids) + len(prompt) + args.gen
-    streaming = _stream_within(model, path, budget, args, context=context, prompt_tokens=len(prompt))
+        raise InputError(f"{name}: --stop needs a tokenizer (the model has none)")
+    if budget is not None:
+        model.use_budget(
+            budget,
+            context=len(state.ids) + len(prompt) + args.gen,
+            prompt_tokens=len(prompt),
+            policy=args.cache_policy,
+            prefetch=not args.no_prefetch,
+        )
+    streaming = model.streaming
     trace = None
     if args.trace is not None:
         from .runtime.streaming import record_trace
@@ -483,8 +491,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             text, finish = None, ("stop" if generated and generated[-1] in model.eos_ids else "length")
     finally:
         live.close()
-        if streaming is not None:
-            streaming.close()
+        model.close()
     if args.save_state is not None:
         from .state_file import save_state
 
@@ -493,14 +500,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dump_logits is not None:
         arr = np.stack(logits).astype(np.float32) if logits else np.zeros((0, model.vocab_size), np.float32)
         _save_npy(args.dump_logits, arr)
-    report = _report(stats, model.threads, streaming)
+    report = model.report(stats)
     if args.report is not None:
         _write_text(args.report, json.dumps(report, indent=2) + "\n")
     if trace is not None:
         _write_text(args.trace, "".join(json.dumps({"layer": la, "experts": ids}) + "\n" for la, ids in trace))
     if args.json:
         obj = {
-            "model": str(path),
+            "model": str(model.path),
             "prompt_ids": prompt,
             "generated_ids": generated,
             "text": text,
@@ -535,25 +542,6 @@ def _live_text(stats: GenerationStats) -> str:
     return f"moestream | prompt {stats.prompt_tokens} tok | generated {n} tok | {rate:.1f} tok/s"
 
 
-def _report(stats: GenerationStats, threads: int, streaming: Streaming | None) -> dict[str, Any]:
-    """The run report: tokens and times, and with a budget the expert traffic, the plan and peak RSS."""
-    from .runtime.planner import peak_rss
-
-    s = stats.as_dict()
-    gen = max(1, int(s["generated_tokens"]))
-    rep: dict[str, Any] = {**s, "threads": threads, "peak_rss": peak_rss()}
-    rep["decode_seconds_per_token"] = float(s["decode_seconds"]) / max(1, gen - 1)
-    if streaming is not None:
-        st = streaming.stats()
-        tokens = int(s["prompt_tokens"]) + gen
-        st["bytes_read_per_token"] = st["bytes_read"] / max(1, tokens)
-        st["decode_bytes_read_per_token"] = (st["bytes_read"] - st["prefill_bytes_read"]) / max(1, gen - 1)
-        st["read_mb_s"] = st["bytes_read"] / 1e6 / st["read_seconds"] if st["read_seconds"] else 0.0
-        rep["streaming"] = st
-        rep["plan"] = streaming.plan.as_dict()
-    return rep
-
-
 def _write_text(path: Path, text: str) -> None:
     with atomic_write(path, "w") as f:
         f.write(text)
@@ -566,53 +554,15 @@ def _size(n: float, unit: str) -> str:
     return f"{n:.0f} {unit}"
 
 
-def _print_presets() -> None:
-    from .runtime import planner
-
-    for name, what in planner.PRESET_HELP.items():
-        print(f"{name:12s} {what}")
-
-
-def _stream_within(
-    model: Any, path: Path, budget: int | None, args: argparse.Namespace, context: int, prompt_tokens: int
-) -> Streaming | None:
-    """Attaches the --ram/--preset budget (None: resident) to a loaded model, planned for `context` tokens."""
-    if budget is None:
-        return None
-    from .runtime.streaming import attach
-
-    return attach(
-        model,
-        model.store,
-        budget,
-        context=context,
-        prompt_tokens=prompt_tokens,
-        policy=args.cache_policy,
-        prefetch=not args.no_prefetch,
-    )
-
-
-def load_for_serving(args: argparse.Namespace) -> tuple[Any, Streaming | None]:
-    """The model of chat/serve with its --ram/--preset budget attached, planned for --ctx tokens."""
-    from .default_model import default_model_path
-    from .generate import load
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import ChatSession
+    from .generate import load_from_args
     from .runtime import planner
 
     if args.list_presets:
-        _print_presets()
-        raise SystemExit(0)
-    budget = planner.resolve_budget(args.ram, args.preset)
-    path = Path(args.model) if args.model else default_model_path()
-    model = load(path, threads=args.threads, preload=False if budget is not None else None)
-    if model.tokenizer is None:
-        raise InputError(f"{path}: the model has no tokenizer (tokenizer.json or tiktoken.model)")
-    return model, _stream_within(model, path, budget, args, context=args.ctx, prompt_tokens=args.ctx)
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-    from .chat import ChatSession
-
-    model, streaming = load_for_serving(args)
+        planner.print_presets()
+        return 0
+    model = load_from_args(args, chat=True)
     session = ChatSession(
         model,
         system=args.system,
@@ -670,39 +620,53 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
     finally:
-        if streaming is not None:
-            streaming.close()
+        model.close()
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .formats.checkpoint import Checkpoint, read_json
+    from .formats.checkpoint import read_json
+    from .formats.packed import PackedStore
+    from .generate import open_store
     from .models import read_spec
     from .models.inventory import inventory, is_routed_expert, layer_map
+    from .sources import resolve
 
-    path: Path = args.model
-    cfg_path = path if path.name.endswith(".json") else path / "config.json"
-    if not cfg_path.exists():
-        raise InputError(f"{cfg_path} does not exist")
-    config = read_json(cfg_path, "config.json")
-    if not isinstance(config, dict):
-        raise InputError(f"{cfg_path}: corrupt config.json (not an object)")
+    name = str(args.model)
+    store: Any = None
+    if name.endswith(".json"):  # a config alone: the bytes as the released checkpoint stores them
+        cfg_path = Path(name)
+        if not cfg_path.exists():
+            raise InputError(f"{cfg_path} does not exist")
+        config = read_json(cfg_path, "config.json")
+        if not isinstance(config, dict):
+            raise InputError(f"{cfg_path}: corrupt config.json (not an object)")
+    else:
+        src = resolve(name)
+        if src.kind == "checkpoint" and not any(src.path.glob("*.safetensors")):
+            config = read_json(src.path / "config.json", "config.json") if (src.path / "config.json").exists() else None
+            if not isinstance(config, dict):
+                raise InputError(f"{src.path}: no config.json and no weights")
+        else:
+            store = open_store(src, preload=False)
+            config = store.config
     spec = read_spec(config)
     inv = inventory(config)
-    measured = path.is_dir() and (any(path.glob("*.safetensors")))
-    if measured:
-        ckpt = Checkpoint(path)
-        trunk_b = sum(i.nbytes for n, i in ckpt.tensors.items() if not is_routed_expert(n))
-        expert_b = sum(i.nbytes for n, i in ckpt.tensors.items() if is_routed_expert(n))
+    if isinstance(store, PackedStore):
+        expert_b = int(store.maps["experts"].size)
+        trunk_b = store.nbytes - expert_b
+    elif store is not None:
+        trunk_b = sum(i.nbytes for n, i in store.tensors.items() if not is_routed_expert(n))
+        expert_b = sum(i.nbytes for n, i in store.tensors.items() if is_routed_expert(n))
     else:  # as stored by the released checkpoints: bf16 trunk; MXFP4 (K3) or bf16 experts
         trunk_b = 2 * inv.trunk_params
         expert_b = inv.expert_params * 17 // 32 if spec.model_type == "kimi_k3" else 2 * inv.expert_params
     how = (
         "measured"
-        if measured
+        if store is not None
         else "as released (bf16 trunk" + (", MXFP4 experts)" if spec.model_type == "kimi_k3" else ")")
     )
-    print(f"model: {path}")
+    print(f"model: {name}")
     print(
         f"architecture: {spec.model_type}, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
         f"vocab {spec.vocab_size}"

@@ -150,9 +150,9 @@ def estimate(model: Any, lay: Any, plan: planner.Plan, disk_gb_s: float, mem_gb_
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .default_model import default_model_path
     from .formats.packed import PackedStore
     from .generate import default_threads, load
+    from .runtime.streaming import layout, plan_budget
 
     threads = default_threads()
     facts = machine_facts(threads)
@@ -173,28 +173,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     advice = blas_advice(blas, facts["simd"])
     if advice:
         print(advice)
-    path = Path(args.model) if args.model else default_model_path()
-    if not path.exists():
-        raise InputError(f"model directory {path} does not exist")
-    model = load(path, preload=False)
+    model = load(args.model, preload=False)
     store = model.store
-    files = sorted((p for p in path.iterdir() if p.suffix in (".bin", ".safetensors")), key=lambda p: p.stat().st_size)
-    if not files:
-        raise InputError(f"{path}: no weight files to measure")
-    packed = isinstance(store, PackedStore)
-    if packed:
-        from .runtime.streaming import layout, plan_budget
-
+    lay: Any = None
+    try:
         lay = layout(model, store)
-        target, block = path / store.manifest["files"]["experts"], lay.slot_bytes
-    else:
-        lay, target, block = None, files[-1], 4 << 20
+    except InputError as e:  # no routed experts: nothing streams
+        why = str(e)
+    block = lay.slot_bytes if lay is not None else 4 << 20
+    if isinstance(store, PackedStore):
+        target = store.path / store.manifest["files"]["experts"]
+    else:  # the largest file the weights are mapped from
+        target = max((p for p, _ in store.mapped_files()), key=lambda p: p.stat().st_size)
     gbs, direct = read_bandwidth(target, block, seconds=args.seconds)
     how = "O_DIRECT" if direct else "buffered (O_DIRECT refused: the number includes the page cache)"
     print(f"disk: {gbs:.2f} GB/s random {block / 2**20:.1f} MiB reads of {target.name}, 4 in flight, {how}")
-    print(f"model: {path} ({model.spec.model_type}), {_gb(store.nbytes)} of weights")
+    print(f"model: {model.name} ({model.spec.model_type}), {_gb(store.nbytes)} of weights")
     if lay is None:
-        print("not a packed store: it runs resident (make one with `moestream pack` to stream under --ram)")
+        print(f"it runs resident: {why}")
         return 0
     avail = min(x for x in (facts["mem_available"], limit) if x) if (limit or facts["mem_available"]) else 0
     rows: list[tuple[str, int, planner.Plan | None, dict[str, float] | None]] = []

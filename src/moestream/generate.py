@@ -9,6 +9,7 @@ for token in model.generate(ids, max_new_tokens=32):
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections.abc import Generator, Iterator
@@ -151,6 +152,12 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def name(self) -> str:
+        """The model's name for messages and the server: a hub id as given, else the file or directory name."""
+        src = self.source
+        return src.name if src is not None and src.remote else self.path.name
 
     @property
     def threads(self) -> int:
@@ -334,7 +341,7 @@ class TextStream:
         return self
 
 
-def _open_store(source: Source, preload: bool | None) -> Any:
+def open_store(source: Source, preload: bool | None) -> Any:
     """The tensor store of a resolved source; preload None: when it takes under 3/4 of free memory."""
     cls: Any
     if source.kind == "gguf":
@@ -382,7 +389,7 @@ def load(
 
     src = resolve(source, progress=progress)
     budget = _budget(ram)
-    store = _open_store(src, False if budget is not None else preload)
+    store = open_store(src, False if budget is not None else preload)
     spec = models.read_spec(store.config)
     decoder = models.build(store, spec)
     tok = _tokenizer(src, store)
@@ -398,6 +405,25 @@ def load(
             guard_map(arr, path)
     if budget is not None:
         model.use_budget(budget, context=context, policy=cache_policy, prefetch=prefetch)
+    return model
+
+
+def load_from_args(args: argparse.Namespace, *, chat: bool = False) -> Model:
+    """The model a command's arguments name (args.model, --threads), within its --ram/--preset budget
+    planned for --ctx tokens; chat: it must have a tokenizer. What `chat` and `serve` run."""
+    from .runtime import planner
+
+    model = load(
+        args.model,
+        threads=args.threads,
+        ram=planner.resolve_budget(args.ram, args.preset),
+        context=args.ctx,
+        cache_policy=args.cache_policy,
+        prefetch=not args.no_prefetch,
+    )
+    if chat and model.tokenizer is None:
+        model.close()
+        raise InputError(f"{model.name}: the model has no tokenizer (tokenizer.json or tiktoken.model)")
     return model
 
 

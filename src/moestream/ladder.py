@@ -100,14 +100,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .formats.packed import is_packed
     from .generate import load
 
-    model = Path(args.model)
-    if not model.exists():
-        raise InputError(f"model directory {model} does not exist")
-    if not is_packed(model):
-        raise InputError(f"{model}: bench streams from a packed store; make one with `moestream pack {model} DST`")
     budgets = [b.strip() for b in args.ram.split(",") if b.strip()]
     if not budgets:
         raise InputError("--ram: give budgets like 1G,2G,max")
@@ -117,7 +111,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for flag, target in (("--plot", args.plot), ("--json", args.json)):
         if target is not None and not target.parent.is_dir():
             raise InputError(f"{flag}: directory {target.parent} does not exist")
-    vocab = load(model, preload=False).vocab_size
+    loaded = load(args.model, preload=False)  # a hub id is fetched once, here
+    assert loaded.source is not None
+    model, vocab = loaded.source.path, loaded.vocab_size
     prompt = [int(i) for i in np.random.default_rng(0).integers(0, vocab, args.prompt_tokens)]
     rows = []
     for b in budgets:

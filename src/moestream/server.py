@@ -735,16 +735,19 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .cli import load_for_serving
+    from .generate import load_from_args
+    from .runtime import planner
 
-    model, streaming = load_for_serving(args)
+    if args.list_presets:
+        planner.print_presets()
+        return 0
+    model = load_from_args(args, chat=True)
     try:
         sock = _bind(args.host, args.port)
     except InputError:
-        if streaming is not None:
-            streaming.close()
+        model.close()
         raise
-    name = args.model_name or model.path.name
+    name = args.model_name or model.name
     engine = Engine(model, name, args.ctx, args.max_tokens)
     server = make_server(
         engine,
@@ -762,6 +765,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine.stop()
         # a job still in its prefill may be reading through the streaming store: close it only after
-        if engine.join(ENGINE_STOP_SECONDS) and streaming is not None:
-            streaming.close()
+        if engine.join(ENGINE_STOP_SECONDS):
+            model.close()
     return 0

@@ -20,15 +20,16 @@ class Source:
     kind: str  # "checkpoint", "packed", "gguf"
     path: Path  # the directory, or the .gguf file
     name: str  # as the user gave it (a hub id, a path), for messages and the served model id
+    remote: bool = False  # a hub id, fetched into the hub's cache
 
 
-def _local(path: Path, name: str) -> Source:
+def _local(path: Path, name: str, remote: bool = False) -> Source:
     from .formats.packed import is_packed
 
     if path.is_dir():
-        return Source("packed" if is_packed(path) else "checkpoint", path, name)
+        return Source("packed" if is_packed(path) else "checkpoint", path, name, remote)
     if path.name.lower().endswith(GGUF_SUFFIX):
-        return Source("gguf", path, name)
+        return Source("gguf", path, name, remote)
     raise InputError(f"{path} is not a model: give a checkpoint directory, a packed store or a .gguf file")
 
 
@@ -57,4 +58,4 @@ def resolve(source: str | os.PathLike[str] | None, *, download: bool = True, pro
     if not download:
         raise InputError(f"{text}: a Hugging Face id; fetch it first with `moestream download {text}`")
     assert hub is not None
-    return _local(hub.download(hub_id, progress=progress), text)
+    return _local(hub.download(hub_id, progress=progress), text, remote=True)

@@ -89,6 +89,12 @@ def mem_available() -> int:
     return meminfo("MemAvailable")
 
 
+def print_presets() -> None:
+    """What --list-presets prints."""
+    for name, what in PRESET_HELP.items():
+        print(f"{name:12s} {what}")
+
+
 def resolve_budget(ram: str | None, preset: str | None) -> int | None:
     """Bytes for --ram / --preset; None means no budget (everything resident)."""
     if ram is not None and preset is not None:
