@@ -418,6 +418,13 @@ def _template_source(cfg: dict[str, Any], cfg_path: Path, model_dir: Path) -> st
 def load_template(model: Model) -> ChatTemplate:
     """The model's own chat template, or the fallback for its tokenizer."""
     path = model.path
+    gguf_template = getattr(model.store, "chat_template", None)  # a GGUF carries its template in its metadata
+    if isinstance(gguf_template, str):
+        tokens = model.store.metadata.get("tokenizer.ggml.tokens") or []
+        tok = model._need_tokenizer()
+        bos = tokens[tok.bos_id] if tok.bos_id is not None and tok.bos_id < len(tokens) else ""
+        eos = tokens[tok.eos_ids[0]] if tok.eos_ids and tok.eos_ids[0] < len(tokens) else ""
+        return ChatTemplate(gguf_template, bos, eos, name=f"{path.name} tokenizer.chat_template").probe()
     cfg_path = path / "tokenizer_config.json"
     cfg = (
         read_json(regular_file(cfg_path, "tokenizer_config.json"), "tokenizer_config.json") if cfg_path.exists() else {}
