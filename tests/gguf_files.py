@@ -182,10 +182,12 @@ def write_gguf(
     kv_b: str = "split",
     split_max_tensors: int = 0,
     pre: str = "qwen2",
+    drop: tuple[str, ...] = (),
 ) -> Path:
     """The GGUF the converter would write from the checkpoint in ckpt_dir (experts in format `experts`,
     the rest f32); kv_b "split" as newer converters write DeepSeek (attn_k_b / attn_v_b), "joined" as
-    older ones did. With split_max_tensors, a split GGUF (out names the first part's stem)."""
+    older ones did. With split_max_tensors, a split GGUF (out names the first part's stem). GGUF tensor
+    names in drop are left out."""
     ckpt = Checkpoint(ckpt_dir)
     c = ckpt.config
     kind = c["model_type"]
@@ -209,6 +211,8 @@ def write_gguf(
     def add(hf_name: str, arr: np.ndarray, fmt: str = "f32") -> None:
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
+        if name in drop:
+            return
         data, raw_dtype = _quantized(fmt, arr) if arr.ndim >= 2 else (arr.astype(np.float32), None)
         w.add_tensor(name, data, raw_dtype=raw_dtype)
 

@@ -165,6 +165,9 @@ def _build(tokens: list[str], types: list[int], merges: list[tuple[str, str]], p
     return tok
 
 
-def gguf_tokenizer(store: Any) -> GGUFTokenizer:
-    """The tokenizer of a GGUFStore (generate.load calls this for a .gguf source)."""
+def gguf_tokenizer(store: Any) -> GGUFTokenizer | None:
+    """The tokenizer of a GGUFStore (generate.load calls this for a .gguf source); None when the file has
+    no vocabulary (then only ids work, as for a checkpoint without tokenizer files)."""
+    if "tokenizer.ggml.model" not in store.metadata and "tokenizer.ggml.tokens" not in store.metadata:
+        return None
     return GGUFTokenizer(store)
