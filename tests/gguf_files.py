@@ -311,3 +311,25 @@ def _metadata(w: gguf.GGUFWriter, c: dict[str, Any], kind: str, kv_b: str) -> No
             w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
             w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
             w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def small_gguf(path: Path) -> Path:
+    """A small GGUF of every value type and a few tensors, so that a mutation often lands in the header."""
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_block_count(1)
+    w.add_string("s", "text")
+    w.add_array("a.str", ["a", "bc", ""])
+    w.add_array("a.int", [1, 2, 3])
+    w.add_array("a.float", [0.5, 1.5])
+    w.add_bool("b", True)
+    w.add_float32("f", 0.25)
+    w.add_uint64("u", 7)
+    w.add_tensor("t.f32", np.arange(8, dtype=np.float32).reshape(2, 4))
+    w.add_tensor(
+        "t.q8", blocks.quantize("q8_0", np.ones((2, 32), np.float32)), raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -291,7 +291,7 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 def test_header_mutations_give_only_own_errors(tmp_path):
     """Seeded mutation fuzzing of the header walk (tests/fuzz/fuzz_gguf.py goes further)."""
-    seed = small_gguf(tmp_path / "seed.gguf").read_bytes()
+    seed = gguf_files.small_gguf(tmp_path / "seed.gguf").read_bytes()
     path = tmp_path / "m.gguf"
 
     def parse(data: bytes) -> int:
@@ -305,30 +305,33 @@ def test_header_mutations_give_only_own_errors(tmp_path):
     assert 0 < accepted < n
 
 
-def small_gguf(path: Path) -> Path:
-    """A small GGUF of every value type and a few tensors, so that a mutation often lands in the header."""
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    w.add_block_count(1)
-    w.add_string("s", "text")
-    w.add_array("a.str", ["a", "bc", ""])
-    w.add_array("a.int", [1, 2, 3])
-    w.add_array("a.float", [0.5, 1.5])
-    w.add_bool("b", True)
-    w.add_float32("f", 0.25)
-    w.add_uint64("u", 7)
-    w.add_tensor("t.f32", np.arange(8, dtype=np.float32).reshape(2, 4))
-    w.add_tensor(
-        "t.q8", blocks.quantize("q8_0", np.ones((2, 32), np.float32)), raw_dtype=gguf.GGMLQuantizationType.Q8_0
-    )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_weight_views_are_not_copies(tmp_path_factory):
     g = built("gguf:qwen3_moe:split:f32", tmp_path_factory)
     store = GGUFStore(g)
     w = store.matrix("model.layers.0.mlp.experts.3.up_proj.weight", 40, 72)
     assert isinstance(w, Weight) and any(np.shares_memory(w.data, m) for _, m in store.mapped_files())
+
+
+def test_mutated_model_headers_give_only_own_errors(tmp_path_factory, tmp_path):
+    """Mutations of a real model's header (metadata values, tensor infos) through everything a load does
+    with them: the store, the config, the tokenizer, the model's weights."""
+    from moestream import models
+    from moestream.gguf_tokenizer import gguf_tokenizer
+
+    g = built("gguf:deepseek_v3:split:f32", tmp_path_factory)
+    good = g.read_bytes()
+    head = min(t.offset for t in read_gguf(g).tensors.values())  # the data region's start
+    path = tmp_path / "m.gguf"
+
+    def load(header: bytes) -> int:
+        tmp = path.with_name("m.new")
+        tmp.write_bytes(header + good[head:])
+        os.replace(tmp, path)
+        store = GGUFStore(path)
+        spec = models.read_spec(store.config)
+        models.build(store, spec)
+        gguf_tokenizer(store)
+        return 1
+
+    n = 150 * fuzzing.SCALE
+    fuzzing.expect_only_own_errors(load, fuzzing.byte_mutations(good[:head], n, seed=11))

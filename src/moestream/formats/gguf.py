@@ -40,6 +40,7 @@ import ml_dtypes
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
+from ..config import MAX_LAYERS
 from ..errors import CheckpointError, InputError
 from ..quant import FORMATS, Weight
 from ..quant.formats import MXFP4_BLOCK
@@ -407,12 +408,15 @@ class _Meta:
 
 def _common(m: _Meta, store: GGUFStore, model_type: str) -> dict[str, Any]:
     embed = store.gguf_tensor("token_embd.weight")
+    layers = m.req_int("block_count")
+    if not 0 < layers <= MAX_LAYERS:  # checked here too: the name mapping walks the layers
+        raise CheckpointError(f"{m.path}: GGUF metadata {m.arch}.block_count {layers} is not a number of layers")
     eos = [m.get(f"tokenizer.ggml.{k}_token_id", int) for k in ("eos", "eot", "eom")]
     return {
         "model_type": model_type,
         "vocab_size": embed.shape[0],
         "hidden_size": m.req_int("embedding_length"),
-        "num_hidden_layers": m.req_int("block_count"),
+        "num_hidden_layers": layers,
         "rms_norm_eps": m.get("attention.layer_norm_rms_epsilon", float, required=True),
         "tie_word_embeddings": "output.weight" not in store.gguf_tensors,
         "max_position_embeddings": m.get("context_length", int, 4096),
