@@ -527,10 +527,11 @@ def _deepseek2_config(m: _Meta, store: GGUFStore) -> dict[str, Any]:
     # the per-head sizes in the _mla keys; older files have the per-head sizes in key/value_length.
     key_len = m.get("attention.key_length_mla", int) or m.req_int("attention.key_length")
     value_len = m.get("attention.value_length_mla", int) or m.req_int("attention.value_length")
-    q_lora = m.get("attention.q_lora_rank", int) or None
+    q_a = store.gguf_tensors.get("blk.0.attn_q_a.weight")  # q LoRA is there when its tensors are
+    q_lora = (m.get("attention.q_lora_rank", int) or q_a.shape[0]) if q_a is not None else None
     cfg.update(
         num_key_value_heads=cfg["num_attention_heads"],
-        q_lora_rank=q_lora if "blk.0.attn_q_a.weight" in store.gguf_tensors else None,
+        q_lora_rank=q_lora,
         kv_lora_rank=m.req_int("attention.kv_lora_rank"),
         qk_rope_head_dim=rope_dim,
         qk_nope_head_dim=key_len - rope_dim,
