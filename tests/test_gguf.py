@@ -7,6 +7,7 @@ one line and exit 2."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -224,6 +225,27 @@ def test_budget_below_the_file_size_gives_identical_logits(big_gguf):
             ids, logits = run(big_gguf, prompt, 6, ram=budget, context=32, threads=threads)
             assert ids == ids_r
             assert logits.tobytes() == logits_r.tobytes(), (budget, threads)
+
+
+def test_the_commands_take_a_gguf(big_gguf, tmp_path):
+    """run --ram below the file's size gives the bytes of the resident run; inspect measures the file."""
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True, timeout=300)
+
+    runs = {}
+    for tag, extra in (("resident", ()), ("budget", ("--ram", str(int(big_gguf.stat().st_size * 0.3))))):
+        out = tmp_path / f"{tag}.npy"
+        p = cli("run", str(big_gguf), "--ids", "3,4,5,6", "--gen", "4", "--json", "--dump-logits", str(out), *extra)
+        assert p.returncode == 0, p.stderr
+        runs[tag] = (json.loads(p.stdout)["generated_ids"], out.read_bytes())
+    assert runs["budget"] == runs["resident"]
+    p = cli("inspect", str(big_gguf))
+    assert p.returncode == 0, p.stderr
+    store = GGUFStore(big_gguf)
+    experts = sum(t.nbytes for n, t in store.tensors.items() if ".experts." in n)
+    assert "architecture: qwen3_moe, 4 layers" in p.stdout and "bytes: measured" in p.stdout
+    assert f"(128 experts of {experts / 128 / 1e3:.2f} kB)" in p.stdout
 
 
 def _write(path: Path, arch: str, tensors: dict[str, np.ndarray], raw: dict | None = None) -> Path:
