@@ -41,6 +41,7 @@ PLAIN_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 ROLES = ("system", "user", "assistant")
+RESET_LINE = {"reset": True}  # the history line /reset writes: a resumed chat starts after the last one
 
 # Bounds on rendering a template (a template is code from the model directory, run on user messages):
 # real chat templates render in milliseconds into a few times the conversation's size.
@@ -541,7 +542,7 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": stream.text})
         return stream.text
 
-    # ---- history file: one JSON message per line ---------------------------------------------------
+    # ---- history file: one JSON message per line, and RESET_LINE where /reset was typed -------------
 
     def load_history(self, path: Path) -> None:
         try:
@@ -550,10 +551,17 @@ class ChatSession:
         except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, an int too long
             raise InputError(f"history file {path}: {e}") from None
         for n, m in enumerate(msgs, 1):
+            if m == RESET_LINE:
+                continue
             if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-                raise InputError(f"history file {path}: each line must be {{'role': ..., 'content': ...}}")
+                raise InputError(
+                    f"history file {path}: each line must be {{'role': ..., 'content': ...}} or {{'reset': true}}"
+                )
             check_text(m["content"], f"history file {path}: message {n}")
-        self.messages = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        after = msgs[max((n + 1 for n, m in enumerate(msgs) if m == RESET_LINE), default=0) :]
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in after]
+        if self.system and not (after and after[0]["role"] == "system"):  # the file holds no system prompt
+            self.messages.insert(0, {"role": "system", "content": self.system})
 
     def append_history(self, path: Path, messages: list[dict[str, str]]) -> None:
         with open(path, "a", encoding="utf-8") as f:

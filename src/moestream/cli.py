@@ -15,6 +15,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .generate import GenerationStats
+    from .generation_config import GenerationDefaults
 
 from .atomic import atomic_write
 from .config import MAX_VOCAB
@@ -109,35 +110,134 @@ def _ram_sizes(s: str) -> str:
     return s
 
 
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
+ESCAPES_HELP = "escapes: \\n \\t \\r \\\\ \\\" \\' \\uXXXX \\UXXXXXXXX"
+
+
+def unescape(s: str) -> str:
+    """s with its backslash escapes read (ESCAPES, \\uXXXX, \\UXXXXXXXX; a surrogate pair of \\u escapes is
+    one character), so that `--stop "\\n\\n"` means two newlines, which a shell cannot easily type.
+    Anything else after a backslash, a lone surrogate or a code point beyond U+10FFFF is an InputError."""
+    out: list[str] = []
+    i = 0
+    while i < len(s):
+        if s[i] != "\\":
+            out.append(s[i])
+            i += 1
+            continue
+        e = s[i + 1 : i + 2]
+        if e in ESCAPES:
+            out.append(ESCAPES[e])
+            i += 2
+            continue
+        if e not in ("u", "U"):
+            what = f"\\{e}" if e else "a backslash at the end"
+            raise InputError(f"bad escape {what} at character {i} (write \\\\ for a backslash; {ESCAPES_HELP})")
+        width = 4 if e == "u" else 8
+        code = _hex(s[i + 2 : i + 2 + width], width)
+        if code is None:
+            raise InputError(f"bad escape at character {i}: want \\{e} and {width} hex digits")
+        i += 2 + width
+        low = _hex(s[i + 2 : i + 6], 4) if s[i : i + 2] == "\\u" else None
+        if 0xD800 <= code < 0xDC00 and low is not None and 0xDC00 <= low < 0xE000:  # a surrogate pair
+            code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)
+            i += 6
+        if 0xD800 <= code < 0xE000 or code > 0x10FFFF:
+            raise InputError(f"bad escape at character {i - 2 - width}: U+{code:04X} is not a character")
+        out.append(chr(code))
+    return "".join(out)
+
+
+def _hex(digits: str, width: int) -> int | None:
+    """The number written by `width` hex digits, or None."""
+    if len(digits) != width or not all(d in "0123456789abcdefABCDEF" for d in digits):
+        return None
+    return int(digits, 16)
+
+
+def _escaped(s: str) -> str:
+    """An argparse type: text with backslash escapes (unescape)."""
+    try:
+        return unescape(s)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_model_arg(p: argparse.ArgumentParser, help: str, dest: str = "model", path: bool = False) -> None:
+    """The model as a positional argument or as -m/--model (as other tools spell it); main() merges
+    the two into args.<dest>."""
+    kind: Any = Path if path else str
+    p.add_argument(dest, nargs="?", type=kind, help=help)
+    p.add_argument("-m", "--model", dest="model_flag", type=kind, metavar="MODEL", help=f"the same as {dest.upper()}")
+
+
+def _merge_model(args: argparse.Namespace) -> None:
+    """args.<model positional> set from -m/--model; both given and different is an InputError, and the
+    commands that need a model refuse to run without one."""
+    dest = "src" if args.command == "pack" else "model"
+    if not hasattr(args, "model_flag"):
+        return
+    given, flag = getattr(args, dest), args.model_flag
+    if given is not None and flag is not None and str(given) != str(flag):
+        raise InputError(f"two models given: {given} and -m/--model {flag} (give one)")
+    if given is None:
+        setattr(args, dest, flag)
+    if getattr(args, dest) is None and args.command in ("bench", "inspect", "pack"):
+        raise InputError(f"{args.command}: no model given (give {dest.upper()} or -m/--model)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    """The sampling flags. The ones generation_config.json can set default to None: sampling_from_args
+    fills them from the model's file, else from these defaults."""
     g = p.add_argument_group("sampling (greedy unless --temperature > 0)")
+    model = "default: the model's generation_config.json, else"
+    g.add_argument("--temperature", "--temp", type=_float_in(0, 100), default=None, help=f"{model} {temperature}")
     g.add_argument(
-        "--temperature", "--temp", type=_float_in(0, 100), default=temperature, help=f"default {temperature}"
+        "--top-k",
+        type=_int_at_least(0, MAX_VOCAB),
+        default=None,
+        help=f"keep the k most likely tokens (0: all; {model} 0)",
     )
     g.add_argument(
-        "--top-k", type=_int_at_least(0, MAX_VOCAB), default=0, help="keep the k most likely tokens (0: all)"
+        "--top-p", type=_float_in(1e-9, 1), default=None, help=f"keep the smallest set reaching p ({model} 1)"
     )
-    g.add_argument("--top-p", type=_float_in(1e-9, 1), default=1.0, help="keep the smallest set reaching p")
-    g.add_argument("--min-p", type=_float_in(0, 1), default=0.0, help="drop tokens below min-p x the top prob")
-    g.add_argument("--repeat-penalty", type=_float_in(1e-6, 100), default=1.0, help="llama.cpp's (1: off)")
+    g.add_argument(
+        "--min-p", type=_float_in(0, 1), default=None, help=f"drop tokens below min-p x the top prob ({model} 0)"
+    )
+    g.add_argument("--repeat-penalty", type=_float_in(1e-6, 100), default=None, help=f"llama.cpp's (1: off; {model} 1)")
     g.add_argument("--presence-penalty", type=_float_in(-2, 2), default=0.0, help="OpenAI's (0: off)")
     g.add_argument("--frequency-penalty", type=_float_in(-2, 2), default=0.0, help="OpenAI's (0: off)")
     g.add_argument("--repeat-last-n", type=_int_at_least(-1), default=64, help="tokens the penalties look at (-1: all)")
     g.add_argument(
         "--seed", type=_int_in(0, SEED_MAX), default=None, help="random seed: the same seed gives the same text"
     )
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)")
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        type=_escaped,
+        metavar="TEXT",
+        help=f"stop before this text (repeatable; {ESCAPES_HELP})",
+    )
+    p.set_defaults(default_temperature=temperature)
 
 
-def sampling_from_args(args: argparse.Namespace) -> Any:
+def sampling_from_args(args: argparse.Namespace, generation: GenerationDefaults | None = None) -> Any:
+    """The flags as SamplingParams; a flag not given takes the model's generation_config.json value
+    (generation), else the flag's own default."""
     from .sampling import SamplingParams
 
+    model = generation.sampling_fields() if generation is not None else {}
+
+    def pick(flag: float | int | None, field: str, default: float | int) -> Any:
+        return flag if flag is not None else model.get(field, default)
+
     return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repeat_penalty,
+        temperature=pick(args.temperature, "temperature", args.default_temperature),
+        top_k=pick(args.top_k, "top_k", 0),
+        top_p=pick(args.top_p, "top_p", 1.0),
+        min_p=pick(args.min_p, "min_p", 0.0),
+        repetition_penalty=pick(args.repeat_penalty, "repetition_penalty", 1.0),
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         penalty_last_n=args.repeat_last_n,
@@ -174,11 +274,24 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     mem.add_argument("--no-prefetch", action="store_true", help="do not read the next layer's experts ahead")
 
 
+def package_version() -> str:
+    """The installed package's version (its metadata), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moestream")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="moestream",
         description="Run Mixture-of-Experts language models on a CPU, straight from their checkpoints.",
     )
+    p.add_argument("--version", action="version", version=f"moestream {package_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser(
@@ -186,12 +299,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate text from a prompt",
         description="Generation from a prompt (greedy unless --temperature is given).",
     )
-    r.add_argument("model", nargs="?", help=SOURCE_HELP)
+    add_model_arg(r, SOURCE_HELP)
     src = r.add_mutually_exclusive_group()
     src.add_argument("--prompt", "-p", help="prompt text")
-    src.add_argument("--prompt-file", "-f", type=Path, help="read the prompt text from this file")
+    src.add_argument("--prompt-file", "-f", type=Path, help="read the prompt text from this file (-: stdin)")
     src.add_argument("--ids", help="prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed)")
-    r.add_argument("--gen", "-n", type=_int_at_least(0), default=32, help="tokens to generate (default 32)")
+    r.add_argument(
+        "--gen", "-n", "--max-tokens", type=_int_at_least(0), default=32, help="tokens to generate (default 32)"
+    )
+    r.add_argument(
+        "--ctx",
+        "-c",
+        type=_int_at_least(1),
+        default=None,
+        help="the most tokens, prompt (and a loaded state) + generated: generation stops there, and a prompt "
+        "that leaves no room is refused (default: no limit)",
+    )
     add_threads_arg(r)
     r.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (checking)")
     r.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-text token")
@@ -228,11 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
         "base models) and each turn prefills only what is new. Type /reset to start over, /exit to leave. "
         "When stdin is not a terminal each line is one user turn.",
     )
-    c.add_argument("model", nargs="?", help=SOURCE_HELP)
-    c.add_argument("--system", "-s", help="system prompt")
-    c.add_argument("--gen", "-n", type=_int_at_least(1), default=256, help="most tokens per reply (default 256)")
-    c.add_argument("--history", type=Path, metavar="FILE.jsonl", help="resume from and append to this history")
-    c.add_argument("--ctx", type=_int_at_least(1), default=4096, help="most tokens in the conversation (default 4096)")
+    add_model_arg(c, SOURCE_HELP)
+    c.add_argument("--system", "-s", type=_escaped, help=f"system prompt ({ESCAPES_HELP})")
+    c.add_argument(
+        "--gen", "-n", "--max-tokens", type=_int_at_least(1), default=256, help="most tokens per reply (default 256)"
+    )
+    c.add_argument(
+        "--history",
+        type=Path,
+        metavar="FILE.jsonl",
+        help="resume from and append to this history (one message a line; /reset is recorded)",
+    )
+    c.add_argument(
+        "--ctx", "-c", type=_int_at_least(1), default=4096, help="most tokens in the conversation (default 4096)"
+    )
     add_threads_arg(c)
     c.add_argument("--verbose", "-v", action="store_true", help="after each reply, the tokens prefilled and tok/s")
     c.add_argument(
@@ -251,11 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Requests are served one at a time, in arrival order; a client that leaves is dropped. SIGTERM or "
         "SIGINT ends the requests in flight (with an error saying so) and exits 0.",
     )
-    v.add_argument("model", nargs="?", help=SOURCE_HELP)
+    add_model_arg(v, SOURCE_HELP)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     v.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default 8000; 0: any free port)")
     v.add_argument("--model-name", help="the model id clients use (default: the directory name)")
-    v.add_argument("--ctx", type=_int_at_least(1), default=4096, help="most tokens per request, prompt + reply")
+    v.add_argument("--ctx", "-c", type=_int_at_least(1), default=4096, help="most tokens per request, prompt + reply")
     v.add_argument("--max-tokens", type=_int_at_least(1), default=1024, help="most tokens a request may generate")
     v.add_argument(
         "--header-timeout",
@@ -281,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="CPU features and cores, RAM and the cgroup limit, the O_DIRECT read bandwidth of the "
         "model's disk, and the preset recommended for the model with its expected seconds per token.",
     )
-    d.add_argument("model", nargs="?", help=SOURCE_HELP)
+    add_model_arg(d, SOURCE_HELP)
     d.add_argument(
         "--seconds", type=_float_in(0.01, 3600), default=2.0, help="how long to measure the disk (default 2)"
     )
@@ -293,12 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
         "hit rate, GB read per token and peak RSS; --plot writes them as a PNG (needs matplotlib: "
         "pip install 'moestream[plot]').",
     )
-    b.add_argument("model", help=SOURCE_HELP.removesuffix(DEMO_DEFAULT))
+    add_model_arg(b, SOURCE_HELP.removesuffix(DEMO_DEFAULT))
     b.add_argument(
         "--ram", required=True, type=_ram_sizes, help="budgets, comma-separated, e.g. 2G,4G,8G (max: everything)"
     )
     b.add_argument("--prompt-tokens", type=_int_at_least(1), default=32, help="prompt length (default 32)")
-    b.add_argument("--gen", "-n", type=_int_at_least(2), default=16, help="tokens to generate (default 16)")
+    b.add_argument(
+        "--gen", "-n", "--max-tokens", type=_int_at_least(2), default=16, help="tokens to generate (default 16)"
+    )
     add_threads_arg(b)
     b.add_argument("--plot", type=Path, metavar="FILE.png", help="write the ladder as a PNG")
     b.add_argument("--json", type=Path, metavar="FILE.json", help="write the rows as JSON")
@@ -309,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Architecture, layer map, parameter counts (total and active per token) and the bytes of "
         "trunk and routed experts. Needs only config.json; with weights present the bytes are measured.",
     )
-    i.add_argument("model", help=SOURCE_HELP.removesuffix(DEMO_DEFAULT) + ", or a config.json")
+    add_model_arg(i, SOURCE_HELP.removesuffix(DEMO_DEFAULT) + ", or a config.json")
 
     k = sub.add_parser(
         "pack",
@@ -320,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from .formats.packed import PACK_FORMATS
 
-    k.add_argument("src", type=Path, help="checkpoint directory")
+    add_model_arg(k, "checkpoint directory", dest="src", path=True)
     k.add_argument("dst", type=Path, help="output directory")
     k.add_argument(
         "--experts",
@@ -385,18 +519,32 @@ def _read_prompt(args: argparse.Namespace, model: Any, allow_empty: bool = False
         ids = _parse_ids(args.ids)
     elif args.prompt_file is not None:
         try:
-            data = args.prompt_file.read_bytes()
+            data = sys.stdin.buffer.read() if str(args.prompt_file) == "-" else args.prompt_file.read_bytes()
         except FileNotFoundError:
             raise InputError(f"prompt file {args.prompt_file} does not exist") from None
         except OSError as e:
             raise InputError(f"cannot read prompt file {args.prompt_file}: {e}") from None
-        text = decode_utf8(data, f"prompt file {args.prompt_file}")
+        what = "the prompt on stdin" if str(args.prompt_file) == "-" else f"prompt file {args.prompt_file}"
+        text = decode_utf8(data, what)
         ids = model.tokenize(text, add_bos=False if (args.no_bos or allow_empty) else None)
     elif args.prompt is not None:
         ids = model.tokenize(args.prompt, add_bos=False if (args.no_bos or allow_empty) else None)
     else:
         raise InputError("no prompt: give --prompt TEXT, --prompt-file PATH or --ids 1,2,3")
     return list(model.check_ids(ids))
+
+
+def _gen_within_ctx(args: argparse.Namespace, held: int) -> int:
+    """--gen, cut so that the `held` tokens (a loaded state and the prompt) and the generated ones fit in
+    --ctx; a prompt that leaves no room for one token is an InputError."""
+    if args.ctx is None:
+        return int(args.gen)
+    if held > args.ctx or (held == args.ctx and args.gen > 0):
+        raise InputError(
+            f"the prompt is {held} tokens, which leaves no room to generate within --ctx {args.ctx} "
+            "(raise --ctx or shorten the prompt)"
+        )
+    return min(int(args.gen), args.ctx - held)
 
 
 def _save_npy(path: Path, arr: np.ndarray) -> None:
@@ -414,7 +562,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     budget = planner.resolve_budget(args.ram, args.preset)
     model = load(args.model, threads=args.threads, preload=False if (args.no_preload or budget is not None) else None)
     name = model.name
-    sampling = sampling_from_args(args)
+    sampling = sampling_from_args(args, model.generation)
     state = model.new_state()
     pending: list[int] = []
     if args.load_state is not None:
@@ -422,6 +570,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         state, pending = load_state(args.load_state, model)
     prompt = pending + _read_prompt(args, model, allow_empty=bool(pending))
+    args.gen = _gen_within_ctx(args, len(state.ids) + len(prompt))
     targets = [("--dump-logits", args.dump_logits), ("--report", args.report), ("--trace", args.trace)]
     for flag, target in [*targets, ("--save-state", args.save_state)]:
         if target is not None and not target.parent.is_dir():
@@ -566,7 +715,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     session = ChatSession(
         model,
         system=args.system,
-        sampling=sampling_from_args(args),
+        sampling=sampling_from_args(args, model.generation),
         max_new_tokens=args.gen,
         max_context=args.ctx,
         allow_special_in_content=args.allow_special_in_content,
@@ -593,6 +742,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 break
             if cmd == "/reset":
                 session.reset()
+                if args.history is not None:  # a resumed chat starts after it, as this one does now
+                    _append_reset(args.history)
                 print("(conversation reset)", file=sys.stderr)
                 continue
             if not cmd:
@@ -622,6 +773,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     finally:
         model.close()
     return 0
+
+
+def _append_reset(path: Path) -> None:
+    from .chat import RESET_LINE
+
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(RESET_LINE) + "\n")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -758,6 +916,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _merge_model(args)
         module, name = COMMANDS[args.command]
         return int(getattr(importlib.import_module(module, __package__), name)(args))
     except MoeStreamError as e:

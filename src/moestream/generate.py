@@ -26,6 +26,7 @@ from .console import prefill_progress
 from .errors import InputError
 from .formats.checkpoint import Checkpoint
 from .formats.packed import PackedStore, guard_map
+from .generation_config import GenerationDefaults, read_generation_config
 from .heap import reuse_freed_heap
 from .models.base import Ctx, State
 from .models.base import Model as Network
@@ -87,6 +88,7 @@ class Model:
         self.store: Any = None  # the Checkpoint, PackedStore or GGUFStore the weights are mapped from
         self.source: Source | None = None
         self.streaming: Streaming | None = None  # the budget's expert cache and trunk streaming, if any
+        self.generation: GenerationDefaults | None = None  # generation_config.json's defaults, if any
 
     # ---- memory ----------------------------------------------------------------------------------
 
@@ -172,6 +174,8 @@ class Model:
         ids = set(self.spec.eos_token_ids)
         if self.tokenizer is not None:
             ids.update(self.tokenizer.eos_ids)
+        if self.generation is not None:
+            ids.update(self.generation.eos_token_ids)
         return tuple(sorted(ids))
 
     # ---- text ------------------------------------------------------------------------------------
@@ -398,6 +402,7 @@ def load(
         raise InputError(f"threads must be at least 1, got {n}")
     model = Model(src.path, spec, decoder, tok, n)
     model.store, model.source = store, src
+    model.generation = read_generation_config(src.path)
     if isinstance(store, PackedStore):
         install_resident_checks(decoder, store)
     else:  # the packed store registers its own maps
