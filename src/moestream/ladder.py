@@ -61,12 +61,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def need_matplotlib() -> Any:
+    """matplotlib, set to draw without a display; its absence is an InputError. cmd_bench calls this
+    before the first run, so a missing package does not cost the whole ladder."""
     try:
         import matplotlib
     except ImportError:
         raise InputError("--plot needs matplotlib: pip install 'moestream[plot]'") from None
     matplotlib.use("Agg")
+    return matplotlib
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    need_matplotlib()
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if "error" not in r]
@@ -111,6 +118,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for flag, target in (("--plot", args.plot), ("--json", args.json)):
         if target is not None and not target.parent.is_dir():
             raise InputError(f"{flag}: directory {target.parent} does not exist")
+    if args.plot is not None:
+        need_matplotlib()
     loaded = load(args.model, preload=False)  # a hub id is fetched once, here
     assert loaded.source is not None
     model, vocab = loaded.source.path, loaded.vocab_size

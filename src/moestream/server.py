@@ -52,6 +52,7 @@ from starlette.requests import Request  # at module level: FastAPI resolves the 
 from .chat import ChatTemplate, load_template
 from .errors import InputError, IntegrityError, MoeStreamError
 from .generate import GenerationStats, Model
+from .generation_config import GenerationDefaults
 from .sampling import SEED_MAX, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -145,16 +146,24 @@ class _Sampling(_Body):
     n: int = Field(default=1, ge=1)
     user: str | None = None
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, generation: GenerationDefaults | None = None) -> SamplingParams:
+        """The request's sampling; a field the request leaves out takes the model's generation_config.json
+        value (generation), else the field's default above."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences are allowed", "stop")
+        model = generation.sampling_fields() if generation is not None else {}
+        given = self.model_fields_set
+
+        def pick(field: str) -> Any:
+            return model[field] if field in model and field not in given else getattr(self, field)
+
         return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
+            temperature=pick("temperature"),
+            top_k=pick("top_k"),
+            top_p=pick("top_p"),
+            min_p=pick("min_p"),
+            repetition_penalty=pick("repetition_penalty"),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
@@ -252,7 +261,7 @@ class Engine:
         if req.n != 1:
             raise ApiError(400, "only n=1 is supported", "n")
         try:
-            return req.sampling()
+            return req.sampling(self.model.generation)
         except InputError as e:
             raise ApiError(400, str(e)) from None
 
