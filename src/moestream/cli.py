@@ -171,19 +171,38 @@ def add_model_arg(p: argparse.ArgumentParser, help: str, dest: str = "model", pa
     p.add_argument("-m", "--model", dest="model_flag", type=kind, metavar="MODEL", help=f"the same as {dest.upper()}")
 
 
-def _merge_model(args: argparse.Namespace) -> None:
-    """args.<model positional> set from -m/--model; both given and different is an InputError, and the
-    commands that need a model refuse to run without one."""
-    dest = "src" if args.command == "pack" else "model"
+def _merge_model(args: argparse.Namespace, extra: list[str] | None = None) -> None:
+    """args.model set from -m/--model; both given and different is an InputError, and the commands that
+    need a model refuse to run without one. pack: see _pack_paths."""
+    if args.command == "pack":
+        return _pack_paths(args, extra or [])
     if not hasattr(args, "model_flag"):
-        return
-    given, flag = getattr(args, dest), args.model_flag
+        return None
+    given, flag = args.model, args.model_flag
     if given is not None and flag is not None and str(given) != str(flag):
         raise InputError(f"two models given: {given} and -m/--model {flag} (give one)")
     if given is None:
-        setattr(args, dest, flag)
-    if getattr(args, dest) is None and args.command in ("bench", "inspect", "pack"):
-        raise InputError(f"{args.command}: no model given (give {dest.upper()} or -m/--model)")
+        args.model = flag
+    if args.model is None and args.command in ("bench", "inspect"):
+        raise InputError(f"{args.command}: no model given (give MODEL or -m/--model)")
+    return None
+
+
+def _pack_paths(args: argparse.Namespace, extra: list[str]) -> None:
+    """pack's SRC and DST, with -m/--model standing for SRC. Both positionals are optional (so that
+    `pack -m SRC DST` parses), and argparse then fills them from the first run of plain arguments only:
+    in `pack SRC --experts q4_k DST`, DST is left among the unparsed arguments (extra) and taken here."""
+    paths = [p for p in (args.src, args.dst) if p is not None] + [Path(e) for e in extra]
+    flag = args.model_flag
+    if flag is not None:
+        if len(paths) == 2 and str(paths[0]) != str(flag):
+            raise InputError(f"two models given: {paths[0]} and -m/--model {flag} (give one)")
+        paths = [flag, *paths[-1:]]
+    if len(paths) < 2:
+        raise InputError("pack: give SRC and DST (or -m SRC DST)")
+    if len(paths) > 2:
+        raise InputError(f"pack: unexpected argument {paths[2]} (give SRC and DST)")
+    args.src, args.dst = paths
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -455,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .formats.packed import PACK_FORMATS
 
     add_model_arg(k, "checkpoint directory", dest="src", path=True)
-    k.add_argument("dst", type=Path, help="output directory")
+    k.add_argument("dst", type=Path, nargs="?", help="output directory")
     k.add_argument(
         "--experts",
         default="keep",
@@ -914,9 +933,11 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command != "pack" or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        _merge_model(args)
+        _merge_model(args, extra)
         module, name = COMMANDS[args.command]
         return int(getattr(importlib.import_module(module, __package__), name)(args))
     except MoeStreamError as e:
