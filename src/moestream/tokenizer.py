@@ -175,15 +175,13 @@ class StreamDecoder:
     since. The new tokens' text is the window's text past the context's text. A window starts where a
     piece ended on a whole character, so the text is what decoding everything at once gives: for
     byte-level and tiktoken vocabularies always, for byte-fallback tokens whenever the reply is valid
-    UTF-8. A decoder for which the window's text does not begin with the context's falls back to
-    decoding everything."""
+    UTF-8 (the decoders of `tokenizers` render a token from it and the tokens before it, never after)."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
         self.ids: list[int] = []
         self.start = 0  # the window's first token: the first of the last piece returned
         self.done = 0  # tokens whose text has been returned
-        self.returned = 0  # characters returned
 
     def feed(self, token_id: int) -> str:
         self.ids.append(int(token_id))
@@ -199,14 +197,8 @@ class StreamDecoder:
         text = self.tok.decode(self.ids[self.start :])
         if text.endswith("\ufffd") and not final:
             return ""
-        if not text.startswith(context):  # a decoder whose text of a token depends on what follows it
-            text, context = self.tok.decode(self.ids), ""
-            new = text[self.returned :]
-        else:
-            new = text[len(context) :]
         self.start, self.done = self.done, len(self.ids)
-        self.returned += len(new)
-        return new
+        return text[len(context) :]
 
 
 # ---- tokenizer_config.json ---------------------------------------------------------------------
