@@ -226,3 +226,13 @@ def test_server_fills_missing_request_fields(root):
     finally:
         engine.stop()
         plain.stop()
+
+
+def test_bench_stays_greedy_whatever_the_model_says(small_case, tmp_path):
+    from moestream.formats.packed import pack
+
+    packed = pack(small_case.path, tmp_path / "packed", experts="keep", trunk="keep", progress=False)
+    (packed / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 2.0}))
+    p = cli("bench", str(packed), "--ram", "max,max,max", "--gen", "12", "--prompt-tokens", "4")
+    assert p.returncode == 0, p.stderr
+    assert "generated ids identical at every budget: yes" in p.stdout

@@ -25,6 +25,8 @@ def run_budget(model: Path, budget: str, prompt: list[int], gen: int, threads: i
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "moestream", "run", str(model), "--ids", ",".join(map(str, prompt))]
         cmd += ["--gen", str(gen), "--json", "--ignore-eos", "--report", str(report)]
+        # greedy, whatever the model's generation_config.json says: every budget must give the same ids
+        cmd += ["--temperature", "0"]
         if budget != "max":
             cmd += ["--ram", budget]
         if threads is not None:
