@@ -104,6 +104,20 @@ def test_max_tokens_is_gen(greedy):
     assert short["generated_ids"] == greedy["generated_ids"][:5]
 
 
+def test_short_and_long_spellings_parse_alike():
+    parser = build_parser()
+    for argv, dest, value in [
+        (["chat", "-c", "100"], "ctx", 100),
+        (["serve", "-c", "100"], "ctx", 100),
+        (["run", "-c", "100"], "ctx", 100),
+        (["chat", "--max-tokens", "7"], "gen", 7),
+        (["bench", "x", "--ram", "1G", "--max-tokens", "7"], "gen", 7),
+        (["serve", "--max-tokens", "7"], "max_tokens", 7),  # serve's own: the most a request may ask for
+    ]:
+        assert getattr(parser.parse_args(argv), dest) == value, argv
+    assert parser.parse_args(["run"]).ctx is None
+
+
 def test_ctx_bounds_prompt_plus_generated(greedy):
     n = len(greedy["prompt_ids"])
     out = run_json("--prompt", PROMPT, "--gen", "24", "-c", str(n + 7))
