@@ -524,6 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="kimi_k3: start from the released K3 widths (--set then changes e.g. num_hidden_layers, num_experts)",
     )
+    importlib.import_module(".hub", __package__).add_download_parser(sub)
     return p
 
 
@@ -928,6 +929,7 @@ COMMANDS = {
     "inspect": (".cli", "cmd_inspect"),
     "pack": (".cli", "cmd_pack"),
     "synth": (".cli", "cmd_synth"),
+    "download": (".hub", "cmd_download"),
 }
 
 

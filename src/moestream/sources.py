@@ -45,11 +45,9 @@ def resolve(source: str | os.PathLike[str] | None, *, download: bool = True, pro
     path = Path(text).expanduser()
     if path.exists() or path.is_symlink():
         return _local(path, text)
-    try:
-        from . import hub  # type: ignore[attr-defined]
-    except ImportError:
-        hub = None
-    hub_id = hub.parse_hub_id(text) if hub is not None else None
+    from . import hub
+
+    hub_id = hub.parse_hub_id(text)
     if hub_id is None:
         raise InputError(
             f"{text} does not exist (a model is a checkpoint directory, a packed store, a .gguf file, a "
@@ -57,5 +55,4 @@ def resolve(source: str | os.PathLike[str] | None, *, download: bool = True, pro
         )
     if not download:
         raise InputError(f"{text}: a Hugging Face id; fetch it first with `moestream download {text}`")
-    assert hub is not None
     return _local(hub.download(hub_id, progress=progress), text, remote=True)
