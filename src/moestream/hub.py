@@ -15,10 +15,12 @@ import argparse
 import errno
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .atomic import atomic_write
 from .errors import InputError, IntegrityError, MoeStreamError
 
 # ---- ids ----------------------------------------------------------------------------------------
@@ -277,7 +279,7 @@ def _check_sizes(hub_id: HubId, folder: Path, files: list[str], listing: dict[st
             path.unlink(missing_ok=True)
             if blob != path:
                 blob.unlink(missing_ok=True)
-            raise IntegrityError(f"{hub_id}: {f} has {got} bytes, the hub lists {want}; removed it, run again to refetch")
+            raise IntegrityError(f"{hub_id}: {f} has {got} bytes, the hub lists {want}; removed it, run again")
 
 
 def _check_space(hub_id: HubId, folder: Path, files: list[str], listing: dict[str, int | None]) -> None:
@@ -297,7 +299,7 @@ def _check_space(hub_id: HubId, folder: Path, files: list[str], listing: dict[st
 def _silent_tqdm() -> Any:
     from tqdm.auto import tqdm
 
-    class Silent(tqdm):  # type: ignore[misc, valid-type]
+    class Silent(tqdm):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
@@ -310,39 +312,56 @@ def download(hub_id: HubId, *, progress: bool = True) -> Path:
     snapshot directory of a checkpoint or packed store, or the first .gguf part of a GGUF pick."""
     import huggingface_hub as hf
 
-    api = hf.HfApi()
     try:
-        info = api.model_info(hub_id.repo_id, revision=hub_id.revision, files_metadata=True)
+        info = hf.HfApi().model_info(hub_id.repo_id, revision=hub_id.revision, files_metadata=True)
     except Exception as e:
         error = _hub_error(e, hub_id)
         if error is not None:
             raise error from None
         kind, folder, files = _from_cache(hub_id, e)  # offline, no network, or the hub is down
         return folder / files[0] if kind == "gguf" else folder
+    if info.sha is None or not _COMMIT.fullmatch(info.sha):
+        raise InputError(f"{hub_id}: the hub gave no commit for the revision (is HF_ENDPOINT a hub?)")
     listing: dict[str, int | None] = {s.rfilename: s.size for s in info.siblings or []}
     kind, files = select_files(sorted(listing), hub_id)
-    if info.sha is not None:
-        _check_space(hub_id, _storage(hub_id.repo_id) / "snapshots" / info.sha, files, listing)
+    folder = _storage(hub_id.repo_id) / "snapshots" / info.sha
+    todo = [f for f in files if not (folder / f).exists()]
+    if todo:
+        _check_space(hub_id, folder, todo, listing)
+        if progress:
+            size = sum(listing.get(f) or 0 for f in todo)
+            print(f"{hub_id}: fetching {len(todo)} files, {size / 1e9:.2f} GB, into {folder}", file=sys.stderr)
     try:
-        # By the revision's name, not info.sha, so that the cache records where the name points (an
-        # offline run later finds the snapshot by it).
-        folder = Path(
-            hf.snapshot_download(
-                hub_id.repo_id,
-                revision=hub_id.revision,
-                allow_patterns=files,
-                tqdm_class=None if progress else _silent_tqdm(),
-            )
-        )
+        # One file at a time, in this thread: Ctrl-C then stops at once and the partial file is removed
+        # (snapshot_download's thread pool finishes every file in flight first). Each file is pinned to
+        # the listed commit, so a branch that moves meanwhile cannot mix two commits.
+        for f in files:
+            hf.hf_hub_download(hub_id.repo_id, f, revision=info.sha, tqdm_class=None if progress else _silent_tqdm())
     except Exception as e:
         error = _hub_error(e, hub_id)
         if error is None:
             raise InputError(f"{hub_id}: the download failed ({_first_line(e)}); run again to continue") from None
         raise error from None
-    if info.sha is not None and folder.name != info.sha:
-        raise InputError(f"{hub_id}: the repo changed on the hub during the download; run again")
     _check_sizes(hub_id, folder, files, listing)
+    _record_ref(hub_id, info.sha)
     return folder / files[0] if kind == "gguf" else folder
+
+
+def _record_ref(hub_id: HubId, sha: str) -> None:
+    """refs/REVISION -> sha in the cache, as huggingface_hub keeps it, so that an offline run finds the
+    snapshot by the revision's name (downloads pinned to a commit do not record it)."""
+    rev = hub_id.revision or "main"
+    if rev == sha:
+        return
+    ref = _storage(hub_id.repo_id) / "refs" / rev
+    try:
+        if ref.is_file() and ref.read_text().strip() == sha:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(ref, "w") as f:
+            f.write(sha)
+    except OSError:
+        pass  # a read-only cache still serves this run; only an offline run later misses the name
 
 
 # ---- moestream download -------------------------------------------------------------------------
