@@ -158,16 +158,32 @@ def test_select_gguf_files():
     assert select_files(["a-Q8_0.gguf", "mmproj-F16.gguf"], HubId("o/m")) == ("gguf", ["a-Q8_0.gguf"])
     from moestream.errors import InputError
 
-    with pytest.raises(InputError, match="several GGUF models.*pick one with o/m:QUANT.*IQ4_XS, Q4_K, Q4_K_M, Q8_0"):
+    with pytest.raises(InputError, match=r"several GGUF models.*pick one with o/m:QUANT.*IQ4_XS, Q4_K, Q4_K_M, Q8_0"):
         select_files(listing, HubId("o/m"))
-    with pytest.raises(InputError, match="no .gguf file for Q5_K_M"):
+    with pytest.raises(InputError, match=r"no \.gguf file for Q5_K_M"):
         select_files(listing, HubId("o/m", None, "Q5_K_M"))
     with pytest.raises(InputError, match="lacks part 2 of 3"):
         select_files(["x-Q2_K-00001-of-00003.gguf", "x-Q2_K-00003-of-00003.gguf"], HubId("o/m", None, "Q2_K"))
-    with pytest.raises(InputError, match="not pytorch .bin"):
+    with pytest.raises(InputError, match=r"not pytorch \.bin"):
         select_files(["config.json", "pytorch_model.bin"], HubId("o/m"))
-    with pytest.raises(InputError, match="no config.json"):
+    with pytest.raises(InputError, match=r"no config\.json"):
         select_files(["model.safetensors"], HubId("o/m"))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["./org/x"], "'./org/x' is not a Hugging Face id"),
+        (["org/x", "--revision", "../x"], "--revision: '../x' is not a branch, tag or commit"),
+        (["org/x@v1", "--revision", "main"], "--revision main contradicts org/x@v1"),
+    ],
+)
+def test_download_refuses_bad_arguments(args, message, capsys):
+    from moestream.cli import main
+
+    assert main(["download", *args]) == 2  # refused before any request
+    err = capsys.readouterr().err
+    assert err.startswith(f"moestream: error: {message}") and err.count("\n") == 1, err
 
 
 # ---- against the stand-in hub -------------------------------------------------------------------
@@ -262,9 +278,7 @@ def test_revisions(hub, models, tmp_path):
     assert files_of(v1) == models["v1"][1]
     assert download(env, "org/tiny", "--revision", "v1") == v1
     assert download(env, f"org/tiny@{v1.name}") == v1  # by commit
-    assert files_of(download(env, "org/tiny")) == models["main"][1]
     assert_one_line_error(cli(env, "download", "org/tiny@nope"), "no revision 'nope'")
-    assert_one_line_error(cli(env, "download", "org/tiny@v1", "--revision", "main"), "contradicts")
 
 
 def test_dropped_connection_is_resumed(hub, tmp_path):
@@ -321,8 +335,6 @@ def test_hub_errors_are_one_line(hub, tmp_path):
     assert_one_line_error(cli(env, "download", "org/gated"), "org/gated", "gated", "HF_TOKEN")
     assert_one_line_error(cli(env, "download", "org/missing"), "org/missing", "no such model")
     assert_one_line_error(cli(env, "run", "org/missing", "--ids", "1"), "no such model")
-    assert_one_line_error(cli(env, "download", "./org/x"), "not a Hugging Face id")
-    assert_one_line_error(cli(env, "download", "org/x", "--revision", "../x"), "not a branch, tag or commit")
     down = env_for(tmp_path, f"http://127.0.0.1:{free_port()}")
     assert_one_line_error(cli(down, "download", "org/tiny"), "cannot reach the Hugging Face hub", "not in the")
 
@@ -341,13 +353,7 @@ def test_offline_uses_the_cache(hub, models, tmp_path):
     empty = env_for(tmp_path / "empty", hub.endpoint, HF_HUB_OFFLINE="1")
     assert_one_line_error(cli(empty, "download", "org/tiny"), "not in the Hugging Face cache", "HF_HUB_OFFLINE")
     assert_one_line_error(cli(offline, "download", "org/tiny@v1"), "not in the Hugging Face cache")
-
-
-def test_offline_refuses_an_incomplete_copy(hub, tmp_path):
-    env = env_for(tmp_path, hub.endpoint)
-    path = download(env, "org/tiny", "--quiet")
-    (path / SHARD_2).unlink()
-    offline = env_for(tmp_path, hub.endpoint, HF_HUB_OFFLINE="1")
+    (path / SHARD_2).unlink()  # as if that file had never arrived
     assert_one_line_error(cli(offline, "download", "org/tiny"), f"lacks {SHARD_2}", "HF_HUB_OFFLINE")
 
 
@@ -361,4 +367,3 @@ def test_gguf_quant_pick(hub, tmp_path):
     for name in ("tiny-Q4_K_M-00001-of-00002.gguf", "tiny-Q4_K_M-00002-of-00002.gguf"):
         assert (first.parent / name).read_bytes() == GGUF_FILES[f"Q4_K_M/{name}"]
     assert_one_line_error(cli(env, "download", "org/tiny-GGUF"), "pick one with org/tiny-GGUF:QUANT", "Q8_0")
-    assert_one_line_error(cli(env, "download", "org/tiny-GGUF:Q5_K_M"), "no .gguf file for Q5_K_M")
