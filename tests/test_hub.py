@@ -5,11 +5,13 @@ offline mode, a GGUF quantization pick. No network."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -291,34 +293,50 @@ def test_dropped_connection_is_resumed(hub, tmp_path):
     assert [r for _, r in hub.gets("model.safetensors")] == [None, f"bytes={10 << 20}-"]
 
 
-def test_interrupted_download_keeps_finished_files(hub, models, tmp_path):
-    """Ctrl-C stops at once (exit 130) and leaves no partial file; the next run fetches only what was not
-    complete. (huggingface_hub restarts an interrupted file from its first byte.)"""
+def test_interrupted_download_resumes_in_the_next_run(hub, tmp_path):
+    """Ctrl-C stops at once (exit 130); the next run fetches neither the files already complete nor the
+    bytes of the interrupted file already written, and checks the pieced file's SHA-256."""
     env = env_for(tmp_path, hub.endpoint)
-    hub.stall.add(SHARD_2)
+    big = bytes(range(256)) * (24 << 12)  # 24 MiB: stalls at 12, after the first 10 MiB piece is written
+    hub.repo("org/big").add({"config.json": b"{}", "model.safetensors": big})
+    hub.stall.add("model.safetensors")
     p = subprocess.Popen(
-        [sys.executable, "-m", "moestream.cli", "download", "org/tiny", "--quiet"],
+        [sys.executable, "-m", "moestream.cli", "download", "org/big", "--quiet"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    partial = tmp_path / "hub" / "models--org--big" / "blobs" / f"{hashlib.sha256(big).hexdigest()}.incomplete"
     try:
         assert hub.stalled.wait(60)
+        while not (partial.exists() and partial.stat().st_size == 10 << 20):  # the client has written its piece
+            assert p.poll() is None
+            time.sleep(0.05)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=30)
     finally:
         p.kill()
     assert p.returncode == 130 and out == "" and "interrupted" in err, err
-    blobs = next((tmp_path / "hub").glob("models--org--tiny/blobs"))
-    assert not list(blobs.glob("*incomplete*"))
     hub.stall.clear()
     hub.release.set()
     before = len(hub.gets())
-    path = download(env, "org/tiny", "--quiet")
-    assert files_of(path) == models["main"][1]
-    again = {p.rsplit("/", 1)[-1] for p, _ in hub.gets()[before:]}
-    assert SHARD_2 in again and SHARD_1 not in again and "config.json" not in again
+    path = download(env, "org/big", "--quiet")
+    assert (path / "model.safetensors").read_bytes() == big
+    assert hub.gets()[before:] == [(hub.gets()[-1][0], f"bytes={10 << 20}-")]  # config.json not again
+    assert not list((tmp_path / "hub" / "models--org--big" / "blobs").glob("*incomplete*"))
+
+
+def test_a_bad_partial_file_is_caught(hub, tmp_path):
+    env = env_for(tmp_path, hub.endpoint)
+    big = bytes(range(256)) * (12 << 12)  # 12 MiB
+    hub.repo("org/big").add({"config.json": b"{}", "model.safetensors": big})
+    blobs = tmp_path / "hub" / "models--org--big" / "blobs"
+    blobs.mkdir(parents=True)
+    etag = hashlib.sha256(big).hexdigest()
+    (blobs / f"{etag}.incomplete").write_bytes(b"\xff" * 1000)  # not the file's first bytes
+    assert_one_line_error(cli(env, "download", "org/big", "--quiet"), "fails its SHA-256", code=4)
+    assert (download(env, "org/big", "--quiet") / "model.safetensors").read_bytes() == big
 
 
 def test_listed_size_is_checked(hub, models, tmp_path):

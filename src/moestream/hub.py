@@ -332,11 +332,13 @@ def download(hub_id: HubId, *, progress: bool = True) -> Path:
             size = sum(listing.get(f) or 0 for f in todo)
             print(f"{hub_id}: fetching {len(todo)} files, {size / 1e9:.2f} GB, into {folder}", file=sys.stderr)
     try:
-        # One file at a time, in this thread: Ctrl-C then stops at once and the partial file is removed
-        # (snapshot_download's thread pool finishes every file in flight first). Each file is pinned to
-        # the listed commit, so a branch that moves meanwhile cannot mix two commits.
+        # One file at a time, in this thread: Ctrl-C then stops at once (snapshot_download's thread pool
+        # finishes every file in flight first). Each file is pinned to the listed commit, so a branch that
+        # moves meanwhile cannot mix two commits.
         for f in files:
-            hf.hf_hub_download(hub_id.repo_id, f, revision=info.sha, tqdm_class=None if progress else _silent_tqdm())
+            _fetch(hub_id, f, info.sha, progress)
+    except MoeStreamError:
+        raise
     except Exception as e:
         error = _hub_error(e, hub_id)
         if error is None:
@@ -345,6 +347,74 @@ def download(hub_id: HubId, *, progress: bool = True) -> Path:
     _check_sizes(hub_id, folder, files, listing)
     _record_ref(hub_id, info.sha)
     return folder / files[0] if kind == "gguf" else folder
+
+
+def _fetch(hub_id: HubId, filename: str, sha: str, progress: bool) -> None:
+    """One file into the cache. huggingface_hub downloads into a temporary file of its own process and
+    deletes it when stopped, so a Ctrl-C or a lost connection in a 20 GB shard would start it over; we
+    keep the bytes in blobs/ETAG.incomplete (the name earlier huggingface_hub versions resumed too),
+    resume it with a Range request, check a resumed file's SHA-256 when its ETag is one, and hand the
+    complete blob to hf_hub_download, which links it into the snapshot. Files served through Xet, or
+    whose partial file another process is writing, are left to huggingface_hub."""
+    import fcntl
+    from urllib.parse import urlsplit
+
+    import huggingface_hub as hf
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    tqdm_class = None if progress else _silent_tqdm()
+    snapshot = _storage(hub_id.repo_id) / "snapshots" / sha
+    if not (snapshot / filename).exists():
+        url = hf.hf_hub_url(hub_id.repo_id, filename, revision=sha)
+        meta = hf.get_hf_file_metadata(url)
+        blob = _storage(hub_id.repo_id) / "blobs" / (meta.etag or "-")
+        if meta.etag and meta.size and getattr(meta, "xet_file_data", None) is None and not blob.exists():
+            headers = build_hf_headers(headers={"Accept-Encoding": "identity"})  # ranges of the raw bytes
+            if urlsplit(meta.location).netloc != urlsplit(url).netloc:
+                headers.pop("authorization", None)  # a signed CDN address: the token stays with the hub
+            partial = blob.with_name(blob.name + ".incomplete")
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            with open(partial, "ab+") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pass  # another process is on it: huggingface_hub's own lock and names take over
+                else:
+                    done = f.seek(0, 2)
+                    if done > meta.size:
+                        f.truncate(0)
+                        done = f.seek(0, 2)
+                    http_get(
+                        meta.location,
+                        f,
+                        resume_size=done,
+                        headers=headers,
+                        expected_size=meta.size,
+                        displayed_filename=filename,
+                        tqdm_class=tqdm_class,
+                    )
+                    f.flush()
+                    if done:
+                        _check_digest(hub_id, filename, partial, meta.etag)
+                    partial.replace(blob)
+    hf.hf_hub_download(hub_id.repo_id, filename, revision=sha, tqdm_class=tqdm_class)
+
+
+def _check_digest(hub_id: HubId, filename: str, path: Path, etag: str) -> None:
+    """A file pieced together from two runs has the SHA-256 its ETag names (the hub's ETag of a large file
+    is its SHA-256; a 40-digit git ETag is not checked)."""
+    import hashlib
+
+    if not re.fullmatch(r"[0-9a-f]{64}", etag):
+        return
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    if h.hexdigest() != etag:
+        path.unlink(missing_ok=True)
+        raise IntegrityError(f"{hub_id}: {filename} pieced from two runs fails its SHA-256; removed it, run again")
 
 
 def _record_ref(hub_id: HubId, sha: str) -> None:
