@@ -82,6 +82,7 @@ def test_parse_hub_id(text, expected):
         "org/model.safetensors",
         "org/na me",
         "org/näme",
+        "org/\udcff",
         "org/name@",
         "org/name@../x",
         "org/name@a//b",
