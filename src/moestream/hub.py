@@ -3,9 +3,10 @@
 standard cache (HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE, HF_ENDPOINT and the usual tokens are all its own),
 only the files moestream reads, each checked against the size the hub lists for it.
 
-Resuming is huggingface_hub's: a connection dropped mid-file is resumed with a Range request inside the
-same run; files already complete are never fetched again; a file interrupted by Ctrl-C or a kill starts
-over on the next run (huggingface_hub keeps each partial file under a name of its own process).
+What resumes: a connection dropped mid-file continues with a Range request inside the same run
+(huggingface_hub's retry); files already complete are never fetched again; a file stopped by Ctrl-C, a
+kill, a full disk or a dead network continues in the next run from the last 10 MiB piece written
+(_fetch). Files served through Xet are huggingface_hub's alone.
 
 huggingface_hub is imported only when a download runs: the CLI imports this module for its parser."""
 
@@ -444,7 +445,7 @@ def add_download_parser(sub: Any) -> argparse.ArgumentParser:
         description="Fetch the files a model needs (config, tokenizer, chat template, safetensors; or the "
         ".gguf parts of one quantization) into the Hugging Face cache (HF_HOME, HF_HUB_CACHE; tokens from "
         "HF_TOKEN or `hf auth login`) and print the local path, which every command also takes. A run "
-        "that stops keeps the files it completed.",
+        "that stops keeps the files it completed, and the next one continues the file it was in.",
     )
     d.add_argument("id", metavar="ID", help="org/name, org/name@revision, or org/name:QUANT in a GGUF repo")
     d.add_argument("--revision", help="a branch, tag or commit (the same as ID@revision)")
