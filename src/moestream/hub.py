@@ -17,6 +17,8 @@ import errno
 import re
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -297,15 +299,20 @@ def _check_space(hub_id: HubId, folder: Path, files: list[str], listing: dict[st
         raise InputError(f"{hub_id}: needs {need / 1e9:.2f} GB in {where}, which has {free / 1e9:.2f} GB free")
 
 
-def _silent_tqdm() -> Any:
-    from tqdm.auto import tqdm
+@contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """huggingface_hub's bars off while a quiet download runs (its switch is global; HF_HUB_DISABLE_PROGRESS_BARS
+    still wins)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    class Silent(tqdm):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-    return Silent
+    if show or are_progress_bars_disabled():
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
 
 
 def download(hub_id: HubId, *, progress: bool = True) -> Path:
@@ -336,8 +343,9 @@ def download(hub_id: HubId, *, progress: bool = True) -> Path:
         # One file at a time, in this thread: Ctrl-C then stops at once (snapshot_download's thread pool
         # finishes every file in flight first). Each file is pinned to the listed commit, so a branch that
         # moves meanwhile cannot mix two commits.
-        for f in files:
-            _fetch(hub_id, f, info.sha, progress)
+        with _progress_bars(progress):
+            for f in files:
+                _fetch(hub_id, f, info.sha)
     except MoeStreamError:
         raise
     except Exception as e:
@@ -350,7 +358,7 @@ def download(hub_id: HubId, *, progress: bool = True) -> Path:
     return folder / files[0] if kind == "gguf" else folder
 
 
-def _fetch(hub_id: HubId, filename: str, sha: str, progress: bool) -> None:
+def _fetch(hub_id: HubId, filename: str, sha: str) -> None:
     """One file into the cache. huggingface_hub downloads into a temporary file of its own process and
     deletes it when stopped, so a Ctrl-C or a lost connection in a 20 GB shard would start it over; we
     keep the bytes in blobs/ETAG.incomplete (the name earlier huggingface_hub versions resumed too),
@@ -364,7 +372,6 @@ def _fetch(hub_id: HubId, filename: str, sha: str, progress: bool) -> None:
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    tqdm_class = None if progress else _silent_tqdm()
     snapshot = _storage(hub_id.repo_id) / "snapshots" / sha
     if not (snapshot / filename).exists():
         url = hf.hf_hub_url(hub_id.repo_id, filename, revision=sha)
@@ -393,13 +400,12 @@ def _fetch(hub_id: HubId, filename: str, sha: str, progress: bool) -> None:
                         headers=headers,
                         expected_size=meta.size,
                         displayed_filename=filename,
-                        tqdm_class=tqdm_class,
                     )
                     f.flush()
                     if done:
                         _check_digest(hub_id, filename, partial, meta.etag)
                     partial.replace(blob)
-    hf.hf_hub_download(hub_id.repo_id, filename, revision=sha, tqdm_class=tqdm_class)
+    hf.hf_hub_download(hub_id.repo_id, filename, revision=sha)
 
 
 def _check_digest(hub_id: HubId, filename: str, path: Path, etag: str) -> None:
