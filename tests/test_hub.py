@@ -345,7 +345,10 @@ def test_a_bad_partial_file_is_caught(hub, tmp_path):
 
 def test_listed_size_is_checked(hub, models, tmp_path):
     env = env_for(tmp_path, hub.endpoint)
-    hub.listed_size["tokenizer.json"] = 7
+    hub.listed_size[SHARD_1] = 1 << 60  # more than any disk: refused before a byte is fetched
+    assert_one_line_error(cli(env, "download", "org/tiny", "--quiet"), "needs 1152921504.61 GB", "free")
+    assert hub.gets() == []
+    hub.listed_size = {"tokenizer.json": 7}
     p = cli(env, "download", "org/tiny", "--quiet")
     assert_one_line_error(p, "tokenizer.json has", "the hub lists 7", code=4)
     hub.listed_size.clear()

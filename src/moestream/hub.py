@@ -285,6 +285,10 @@ def _check_sizes(hub_id: HubId, folder: Path, files: list[str], listing: dict[st
             raise IntegrityError(f"{hub_id}: {f} has {got} bytes, the hub lists {want}; removed it, run again")
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def _check_space(hub_id: HubId, folder: Path, files: list[str], listing: dict[str, int | None]) -> None:
     """Refuse before fetching when the files still missing cannot fit the cache's disk."""
     need = sum(listing.get(f) or 0 for f in files if not (folder / f).exists())
@@ -296,7 +300,7 @@ def _check_space(hub_id: HubId, folder: Path, files: list[str], listing: dict[st
     except OSError:
         return
     if need > free:
-        raise InputError(f"{hub_id}: needs {need / 1e9:.2f} GB in {where}, which has {free / 1e9:.2f} GB free")
+        raise InputError(f"{hub_id}: needs {_size(need)} in {where}, which has {_size(free)} free")
 
 
 @contextmanager
@@ -338,7 +342,7 @@ def download(hub_id: HubId, *, progress: bool = True) -> Path:
         _check_space(hub_id, folder, todo, listing)
         if progress:
             size = sum(listing.get(f) or 0 for f in todo)
-            print(f"{hub_id}: fetching {len(todo)} files, {size / 1e9:.2f} GB, into {folder}", file=sys.stderr)
+            print(f"{hub_id}: fetching {len(todo)} files, {_size(size)}, into {folder}", file=sys.stderr)
     try:
         # One file at a time, in this thread: Ctrl-C then stops at once (snapshot_download's thread pool
         # finishes every file in flight first). Each file is pinned to the listed commit, so a branch that
