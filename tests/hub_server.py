@@ -1,8 +1,9 @@
 """A local stand-in for the Hugging Face hub, for HF_ENDPOINT: the calls huggingface_hub makes to fetch a
 model (model info by revision, the recursive tree listing, HEAD and GET of /resolve/ with ETag,
 X-Repo-Commit, Content-Length and Range) with the hub's error headers (X-Error-Code: RepoNotFound,
-RevisionNotFound, EntryNotFound, GatedRepo), and faults on demand: a connection dropped mid-file, a
-file that stalls mid-way until released. Every request is logged for the tests to check."""
+RevisionNotFound, EntryNotFound, GatedRepo), private repos that need a token, and faults on demand: a
+connection dropped mid-file, a file that stalls mid-way until released, a listed size that lies. Every
+request is logged for the tests to check."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class Repo:
     commits: dict[str, dict[str, bytes]] = field(default_factory=dict)  # sha -> path -> bytes
     refs: dict[str, str] = field(default_factory=dict)  # branch or tag -> sha
     gated: bool = False
+    token: str | None = None  # private: every request needs "Authorization: Bearer TOKEN"
 
     def add(self, files: dict[str, bytes], *refs: str) -> str:
         sha = commit_of(files)
@@ -146,6 +148,8 @@ class _Handler(BaseHTTPRequestHandler):
                 repo = hub.repos.get(unquote(m["repo"]))
                 if repo is None:
                     return self._error(404, "RepoNotFound")
+                if repo.token is not None and self.headers.get("Authorization") != f"Bearer {repo.token}":
+                    return self._error(401, "RepoNotFound")  # the hub does not tell private from missing
                 sha = repo.commit(unquote(m["rev"] or "main"))
                 if sha is None:
                     return self._error(404, "RevisionNotFound")

@@ -212,6 +212,8 @@ def hub(models):
         server.repo("org/gated").add(models["main"][1])
         server.repos["org/gated"].gated = True
         server.repo("org/tiny-GGUF").add(GGUF_FILES)
+        server.repo("org/private").add(models["main"][1])
+        server.repos["org/private"].token = "hf_test_token"
         yield server
 
 
@@ -359,9 +361,15 @@ def test_hub_errors_are_one_line(hub, tmp_path):
     env = env_for(tmp_path, hub.endpoint)
     assert_one_line_error(cli(env, "download", "org/gated"), "org/gated", "gated", "HF_TOKEN")
     assert_one_line_error(cli(env, "download", "org/missing"), "org/missing", "no such model")
+    assert_one_line_error(cli(env, "download", "org/private"), "no such model", "if it is private", "HF_TOKEN")
     assert_one_line_error(cli(env, "run", "org/missing", "--ids", "1"), "no such model")
     down = env_for(tmp_path, f"http://127.0.0.1:{free_port()}")
     assert_one_line_error(cli(down, "download", "org/tiny"), "cannot reach the Hugging Face hub", "not in the")
+
+
+def test_token_from_the_environment(hub, models, tmp_path):
+    path = download(env_for(tmp_path, hub.endpoint, HF_TOKEN="hf_test_token"), "org/private", "--quiet")
+    assert files_of(path) == models["main"][1]
 
 
 def test_offline_uses_the_cache(hub, models, tmp_path):
@@ -383,10 +391,11 @@ def test_offline_uses_the_cache(hub, models, tmp_path):
 
 
 def test_gguf_quant_pick(hub, tmp_path):
-    env = env_for(tmp_path, hub.endpoint)
+    env = env_for(tmp_path, hub.endpoint, HF_HUB_CACHE=str(tmp_path / "hub-cache"))
     p = cli(env, "download", "org/tiny-GGUF:Q8_0", "--quiet")
     assert p.returncode == 0 and p.stderr == "", p.stderr  # --quiet: not a line
     path = Path(p.stdout.strip())
+    assert path.is_relative_to(tmp_path / "hub-cache" / "models--org--tiny-GGUF")  # HF_HUB_CACHE over HF_HOME
     assert path.name == "tiny-Q8_0.gguf" and path.read_bytes() == GGUF_FILES["tiny-Q8_0.gguf"]
     assert [p.rsplit("/", 1)[-1] for p, _ in hub.gets()] == ["tiny-Q8_0.gguf"]  # not the other quants
     first = download(env, "org/tiny-GGUF:Q4_K_M", "--quiet")
