@@ -221,10 +221,12 @@ def env_for(home: Path, endpoint: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1", PYTHONWARNINGS="ignore")
     env.update(extra)
+    if env.get("PYTHONPATH"):  # absolute, for runs in another directory
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep))
     return env
 
 
-def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+def cli(env: dict[str, str], *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "moestream.cli", *args],
         capture_output=True,
@@ -232,6 +234,7 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
         env=env,
         timeout=120,
         stdin=subprocess.DEVNULL,
+        cwd=cwd,
     )
 
 
@@ -362,7 +365,9 @@ def test_hub_errors_are_one_line(hub, tmp_path):
     assert_one_line_error(cli(env, "download", "org/gated"), "org/gated", "gated", "HF_TOKEN")
     assert_one_line_error(cli(env, "download", "org/missing"), "org/missing", "no such model")
     assert_one_line_error(cli(env, "download", "org/private"), "no such model", "if it is private", "HF_TOKEN")
-    assert_one_line_error(cli(env, "run", "org/missing", "--ids", "1"), "no such model")
+    (tmp_path / "org").mkdir()  # then org/missing was likely meant as a local path
+    p = cli(env, "run", "org/missing", "--ids", "1", cwd=tmp_path)
+    assert_one_line_error(p, "no such model", "nor is there a local org/missing")
     down = env_for(tmp_path, f"http://127.0.0.1:{free_port()}")
     assert_one_line_error(cli(down, "download", "org/tiny"), "cannot reach the Hugging Face hub", "not in the")
 

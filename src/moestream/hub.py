@@ -184,7 +184,7 @@ def _hub_error(e: Exception, hub_id: HubId) -> MoeStreamError | None:
         return InputError(f"{hub_id}: no revision {hub_id.revision or 'main'!r} in {hub_id.repo_id}")
     if isinstance(e, hf.RepositoryNotFoundError):
         private = "" if constants.HF_HUB_OFFLINE else f" (if it is private, {login})"
-        return InputError(f"{hub_id}: no such model on the Hugging Face hub{private}")
+        return InputError(f"{hub_id}: no such model on the Hugging Face hub{private}{_path_hint(hub_id)}")
     if isinstance(e, hf.DisabledRepoError):
         return InputError(f"{hub_id}: the repo is disabled on the Hugging Face hub")
     if isinstance(e, hf.EntryNotFoundError) and not isinstance(e, hf.LocalEntryNotFoundError):
@@ -199,6 +199,12 @@ def _hub_error(e: Exception, hub_id: HubId) -> MoeStreamError | None:
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
         return InputError(f"{hub_id}: cannot write the Hugging Face cache ({e.strerror}: {e.filename})")
     return None
+
+
+def _path_hint(hub_id: HubId) -> str:
+    """For models/qwen where ./models exists: the user likely meant a local path, which is not there."""
+    org = hub_id.repo_id.split("/")[0]
+    return f"; nor is there a local {hub_id.repo_id}" if Path(org).is_dir() else ""
 
 
 def _unreachable(why: Exception) -> str:
@@ -237,7 +243,8 @@ def _from_cache(hub_id: HubId, why: Exception) -> tuple[str, Path, list[str]]:
     if sha is None or not snapshot.is_dir():
         from huggingface_hub import constants
 
-        raise InputError(f"{hub_id}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}); {_unreachable(why)}")
+        cache = constants.HF_HUB_CACHE
+        raise InputError(f"{hub_id}: not in the Hugging Face cache ({cache}); {_unreachable(why)}{_path_hint(hub_id)}")
     listing: dict[str, int | None]
     try:  # the listing of the commit as snapshot_download cached it (huggingface_hub >= 2)
         listing = {f.path: f.size for f in hf.get_cached_repo_tree(hub_id.repo_id, revision=sha)}
