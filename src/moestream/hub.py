@@ -404,14 +404,19 @@ def _fetch(hub_id: HubId, filename: str, sha: str) -> None:
                     if done > meta.size:
                         f.truncate(0)
                         done = f.seek(0, 2)
-                    http_get(
-                        meta.location,
-                        f,
-                        resume_size=done,
-                        headers=headers,
-                        expected_size=meta.size,
-                        displayed_filename=filename,
-                    )
+                    try:
+                        http_get(
+                            meta.location,
+                            f,
+                            resume_size=done,
+                            headers=headers,
+                            expected_size=meta.size,
+                            displayed_filename=filename,
+                        )
+                    except BaseException:
+                        if f.seek(0, 2) == 0:
+                            partial.unlink(missing_ok=True)  # nothing to resume: leave no empty file behind
+                        raise
                     f.flush()
                     if done:
                         _check_digest(hub_id, filename, partial, meta.etag)
