@@ -281,6 +281,18 @@ def test_run_hub_id_matches_the_directory(hub, models, tmp_path):
     a, b = json.loads(from_hub.stdout), json.loads(local.stdout)
     assert a["prompt_ids"] == b["prompt_ids"] and a["generated_ids"] == b["generated_ids"]
     assert len(a["generated_ids"]) == 3
+    budget = cli(env, "run", "org/tiny", *args, "--ram", "64M", "--threads", "1")  # from the cache, streamed
+    assert budget.returncode == 0, budget.stderr
+    assert json.loads(budget.stdout)["generated_ids"] == a["generated_ids"]
+
+
+def test_inspect_fetches_the_config_only(hub, models, tmp_path):
+    env = env_for(tmp_path, hub.endpoint)
+    p = cli(env, "inspect", "org/tiny")
+    assert p.returncode == 0, p.stderr
+    assert "model: org/tiny" in p.stdout and "architecture: qwen3_moe, 2 layers" in p.stdout
+    assert "bytes: as released" in p.stdout
+    assert [path.rsplit("/", 1)[-1] for path, _ in hub.gets()] == ["config.json"]
 
 
 def test_revisions(hub, models, tmp_path):

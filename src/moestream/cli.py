@@ -820,7 +820,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not isinstance(config, dict):
             raise InputError(f"{cfg_path}: corrupt config.json (not an object)")
     else:
-        src = resolve(name)
+        src = resolve(name, config_only=True)
         if src.kind == "checkpoint" and not any(src.path.glob("*.safetensors")):
             config = read_json(src.path / "config.json", "config.json") if (src.path / "config.json").exists() else None
             if not isinstance(config, dict):

@@ -326,9 +326,10 @@ def _progress_bars(show: bool) -> Iterator[None]:
         enable_progress_bars()
 
 
-def download(hub_id: HubId, *, progress: bool = True) -> Path:
+def download(hub_id: HubId, *, progress: bool = True, config_only: bool = False) -> Path:
     """The model hub_id names, fetched into the Hugging Face cache (only what is not there yet): the
-    snapshot directory of a checkpoint or packed store, or the first .gguf part of a GGUF pick."""
+    snapshot directory of a checkpoint or packed store, or the first .gguf part of a GGUF pick.
+    config_only: of a checkpoint, just its config.json (what `inspect` needs)."""
     import huggingface_hub as hf
 
     try:
@@ -343,6 +344,8 @@ def download(hub_id: HubId, *, progress: bool = True) -> Path:
         raise InputError(f"{hub_id}: the hub gave no commit for the revision (is HF_ENDPOINT a hub?)")
     listing: dict[str, int | None] = {s.rfilename: s.size for s in info.siblings or []}
     kind, files = select_files(sorted(listing), hub_id)
+    if config_only and kind == "checkpoint":
+        files = [f for f in files if f == "config.json"]
     folder = _storage(hub_id.repo_id) / "snapshots" / info.sha
     todo = [f for f in files if not (folder / f).exists()]
     if todo:

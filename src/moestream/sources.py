@@ -33,10 +33,12 @@ def _local(path: Path, name: str, remote: bool = False) -> Source:
     raise InputError(f"{path} is not a model: give a checkpoint directory, a packed store or a .gguf file")
 
 
-def resolve(source: str | os.PathLike[str] | None, *, download: bool = True, progress: bool = True) -> Source:
+def resolve(
+    source: str | os.PathLike[str] | None, *, download: bool = True, progress: bool = True, config_only: bool = False
+) -> Source:
     """The model files a source names. A path that exists always wins; `demo` or None is the embedded
     model; otherwise the text must be a Hugging Face repo id, fetched into the hub's cache (only the files
-    the model needs) unless download is False."""
+    the model needs; config_only: of a checkpoint repo, its config.json) unless download is False."""
     if source is None or str(source) == DEMO:
         from .default_model import default_model_path
 
@@ -55,4 +57,4 @@ def resolve(source: str | os.PathLike[str] | None, *, download: bool = True, pro
         )
     if not download:
         raise InputError(f"{text}: a Hugging Face id; fetch it first with `moestream download {text}`")
-    return _local(hub.download(hub_id, progress=progress), text, remote=True)
+    return _local(hub.download(hub_id, progress=progress, config_only=config_only), text, remote=True)
