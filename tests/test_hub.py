@@ -284,6 +284,15 @@ def test_run_hub_id_matches_the_directory(hub, models, tmp_path):
     budget = cli(env, "run", "org/tiny", *args, "--ram", "64M", "--threads", "1")  # from the cache, streamed
     assert budget.returncode == 0, budget.stderr
     assert json.loads(budget.stdout)["generated_ids"] == a["generated_ids"]
+    api = (  # the same through the API, in a process that has the stand-in hub's environment
+        "import json, moestream\n"
+        "with moestream.load('org/tiny', ram='64M', context=16, threads=1) as m:\n"
+        "    ids = m.tokenize('hi')\n"
+        "    print(json.dumps([ids, list(m.generate(ids, 3, stop_at_eos=False))]))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", api], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == [a["prompt_ids"], a["generated_ids"]]
 
 
 def test_inspect_fetches_the_config_only(hub, models, tmp_path):

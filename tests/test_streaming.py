@@ -222,6 +222,17 @@ def test_load_with_ram_is_the_run_with_ram(store, tmp_path):
         moestream.load(str(store), ram="1M")
 
 
+def test_the_demo_within_a_budget_is_the_demo():
+    import moestream
+
+    ids = list(range(5, 40, 3))
+    with moestream.load("demo", threads=2) as model:
+        want = model.logits(ids).tobytes()
+    for ram in ("24M", "40M"):
+        with moestream.load("demo", ram=ram, context=len(ids), threads=1) as model:
+            assert model.streaming is not None and model.logits(ids).tobytes() == want, ram
+
+
 def test_trace_replays_and_lfu_beats_lru(packed, tmp_path):
     trace_file = tmp_path / "trace.jsonl"
     p = cli("run", str(packed), "--ids", PROMPT, "--gen", "24", "--json", "--ignore-eos", "--trace", str(trace_file))
