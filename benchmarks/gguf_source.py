@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -107,14 +108,20 @@ def child_llama_cpp(gguf: str, threads: int, gen: int, prompt: list[int], repack
         gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx, use_mmap=True, verbose=False
     )
     load_s = time.perf_counter() - t0
+
+    def greedy() -> int:
+        # the last token's logits from the context itself: Llama.eval fills llm.scores only with logits_all
+        # (0.3.36), and without them every argmax is token 0
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))))
+
     t0 = time.perf_counter()
     llm.eval(prompt)
     prefill = time.perf_counter() - t0
-    ids = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    ids = [greedy()]
     r1, t0 = _io_read(), time.perf_counter()
     for _ in range(gen - 1):
         llm.eval([ids[-1]])
-        ids.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        ids.append(greedy())
     decode, r2 = time.perf_counter() - t0, _io_read()
     return {
         "load_s": load_s,
@@ -185,7 +192,9 @@ def run_once(run: Run, args: argparse.Namespace, prompt: list[int], everything: 
     if p.returncode != 0:
         err = p.stderr.strip().splitlines()
         if p.returncode in (-9, 137) and not err:
-            return {"error": "killed by the memory cgroup"}
+            return {"error": "killed by the memory cgroup" if run.cgroup else "killed by SIGKILL"}
+        if p.returncode < 0:  # llama.cpp repacked for AMX dies of SIGSEGV in its first decode (decode.py)
+            return {"error": f"killed by {signal.Signals(-p.returncode).name}"}
         return {"error": (err[-1] if err else f"exit code {p.returncode}")[-200:]}
     return json.loads(p.stdout.strip().splitlines()[-1])
 
