@@ -153,17 +153,23 @@ class LlamaCpp:
             C.llama_model_default_params = default_params
         self.load_seconds = time.perf_counter() - t0
 
+    def _greedy(self) -> int:
+        """The last token's greedy id, from the context's logits: Llama.eval fills llm.scores only with
+        logits_all (0.3.36), and without them every argmax would be token 0."""
+        logits = self.llm._ctx.get_logits_ith(-1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),))))
+
     def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int]]:
         llm = self.llm
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
         prefill = time.perf_counter() - t0
-        ids = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        ids = [self._greedy()]
         t0 = time.perf_counter()
         for _ in range(gen - 1):
             llm.eval([ids[-1]])
-            ids.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            ids.append(self._greedy())
         decode = time.perf_counter() - t0
         return len(prompt) / prefill, (gen - 1) / decode, ids
 

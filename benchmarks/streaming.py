@@ -50,14 +50,16 @@ def params():
 C.llama_model_default_params = params
 llm = llama_cpp.Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=256, n_batch=256, use_mmap=True,
                       verbose=False)
+# the last token's logits from the context: Llama.eval fills llm.scores only with logits_all (0.3.36)
+greedy = lambda: int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))))
 t0, r0 = time.perf_counter(), io()
 llm.eval(prompt)
 prefill, r1 = time.perf_counter() - t0, io()
-ids = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+ids = [greedy()]
 t0 = time.perf_counter()
 for _ in range(gen - 1):
     llm.eval([ids[-1]])
-    ids.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    ids.append(greedy())
 decode, r2 = time.perf_counter() - t0, io()
 print(json.dumps({"prefill_s": prefill, "decode_tok_s": (gen - 1) / decode,
                   "read_per_token": (r2 - r1) / (gen - 1), "ids": ids}))
