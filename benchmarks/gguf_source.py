@@ -21,7 +21,13 @@ file evicted, so that nothing is served from pages charged outside the cgroup. m
 generate, Model.report); both engines' disk traffic is the read_bytes of /proc/self/io (page faults, reads
 and O_DIRECT alike) between the first generated token and the last, and peak RSS is VmHWM. llama.cpp runs
 at full RAM as it does by default (Q4_K weights repacked into its own memory) and with its weights left in
-the mmap; in the cgroup only the latter (the repacked copy is killed at load: NOTES.md).
+the mmap; in the cgroup only the latter (the repacked copy is killed at load: NOTES.md). On a CPU with AMX,
+llama-cpp-python 0.3.36 repacks Q4_K for AMX and dies of SIGSEGV in its first decode: that row says so.
+llama.cpp's greedy ids come from its context's logits (Llama.eval leaves llm.scores at zero unless
+logits_all); on the same GGUF they match moestream's (4 of 4 on this prompt).
+
+Setup from nothing, 2 shared cores: llama-cpp-python from source 17 min, synth 6 min, pack 3 min, the GGUF
+(convert 3 min, quantize 6 min) 9 min; 15 GB under /tmp/moestream-bench (the bf16 GGUF is deleted).
 """
 
 from __future__ import annotations
