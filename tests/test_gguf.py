@@ -114,6 +114,32 @@ def test_quantized_experts_equal_the_same_weights_packed(fmt, tmp_path_factory):
         assert any(np.shares_memory(w.data, m) for _, m in store.mapped_files())
 
 
+def test_pack_of_a_gguf_is_the_gguf(tmp_path_factory, tmp_path):
+    """`moestream pack X.gguf DST` keeps every matrix in its block format, each expert one blob: the same
+    logits and tokens as the GGUF itself; the tokenizer, its special tokens and the chat template go along."""
+    from moestream.formats.packed import PackedStore
+
+    g = built("gguf:qwen3_moe-wide:split:q4_k", tmp_path_factory)
+    packed = pack(g, tmp_path / "packed", progress=False)
+    prompt = hf_models.prompt_ids(gguf_files.VOCAB, 7, seed=3)
+    ids_g, logits_g = run(g, prompt, 4)
+    ids_p, logits_p = run(packed, prompt, 4)
+    assert ids_p == ids_g and logits_p.tobytes() == logits_g.tobytes()
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    w_p, w_g = PackedStore(packed).matrix(name, 256, 256), GGUFStore(g).matrix(name, 256, 256)
+    assert w_p is not None and w_p.fmt.name == "q4_k" and np.array_equal(w_p.data, w_g.data)
+    gm, pm = moestream.load(str(g), progress=False), moestream.load(str(packed), progress=False)
+    assert gm.tokenizer is not None and pm.tokenizer is not None
+    for text in [*TEXTS, "".join(gguf_files.SPECIALS)]:
+        assert pm.tokenize(text) == gm.tokenize(text), text
+    assert pm.tokenizer.special_tokens == gm.tokenizer.special_tokens and pm.eos_ids == gm.eos_ids
+    assert load_template(pm).source == gguf_files.CHAT_TEMPLATE
+    requantized = pack(g, tmp_path / "q8", experts="q8_0", progress=False)
+    w = PackedStore(requantized).matrix(name, 256, 256)
+    assert w is not None and w.fmt.name == "q8_0"
+    assert np.abs(w.dequantize() - w_g.dequantize()).max() < 0.02 * np.abs(w_g.dequantize()).max()
+
+
 def test_block_layouts_decode_as_ggufs_own_dequantizers(tmp_path):
     """Every GGML type we read, written by gguf's writer (quantized by gguf where it can, else by ours),
     decodes through our kernels to the values gguf.quants.dequantize gives."""

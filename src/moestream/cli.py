@@ -466,14 +466,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser(
         "pack",
-        help="rewrite a checkpoint as a packed store for streaming",
-        description="Rewrite a checkpoint once into a packed store: a manifest, the trunk with each layer "
-        "contiguous and 4096-aligned, and one aligned blob per (layer, expert). Matrices can be requantized; "
-        "`keep` leaves them in the checkpoint's format. Written atomically and verified.",
+        help="rewrite a checkpoint or a GGUF as a packed store (optional: every model streams as it is)",
+        description="Rewrite a checkpoint or a GGUF once into a packed store: a manifest, the trunk with each "
+        "layer contiguous and 4096-aligned, and one aligned blob per (layer, expert). Matrices can be "
+        "requantized; `keep` leaves them in the source's format (a GGUF's block formats included). Written "
+        "atomically and verified.",
     )
     from .formats.packed import PACK_FORMATS
 
-    add_model_arg(k, "checkpoint directory", dest="src", path=True)
+    add_model_arg(k, "checkpoint directory, or a .gguf file (the first part of a split one)", dest="src", path=True)
     k.add_argument("dst", type=Path, nargs="?", help="output directory")
     k.add_argument(
         "--experts",

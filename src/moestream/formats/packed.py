@@ -150,6 +150,9 @@ def find_matrices(ckpt: Checkpoint) -> tuple[dict[str, Matrix], list[str]]:
             if ckpt.has(scale):
                 matrices[prefix] = Matrix(prefix, [name, scale], info.shape[0], info.shape[1] * 2)
                 used.update((name, scale))
+        elif is_gguf_store(ckpt):  # every matrix the builder asks for, whatever its block format
+            matrices[name] = Matrix(name, [name], info.shape[0], info.shape[1])
+            used.add(name)
         elif name.endswith(".weight") and len(info.shape) == 2 and info.dtype in ("F32", "BF16", "F16", "F8_E4M3"):
             tensors = [name]
             inv = name.removesuffix("weight") + "weight_scale_inv"
@@ -161,7 +164,20 @@ def find_matrices(ckpt: Checkpoint) -> tuple[dict[str, Matrix], list[str]]:
     return matrices, others
 
 
+def is_gguf_store(ckpt: Any) -> bool:
+    return getattr(ckpt, "gguf_tensors", None) is not None
+
+
+def open_source(src: Path) -> Any:
+    """What pack reads: a checkpoint directory, or a GGUF file (the first part of a split one)."""
+    from .gguf import GGUFStore, is_gguf
+
+    return GGUFStore(src) if is_gguf(src) else Checkpoint(src)
+
+
 def source_weight(ckpt: Checkpoint, m: Matrix) -> Weight:
+    if is_gguf_store(ckpt):
+        return ckpt.matrix(m.name, m.rows, m.cols)  # type: ignore[attr-defined]
     if len(m.tensors) == 2 and m.tensors[0].endswith(".weight_packed"):
         return Weight(ckpt.array(m.tensors[0]), ckpt.array(m.tensors[1]), fmt="mxfp4")
     scales = ckpt.array(m.tensors[1]).astype(np.float32) if len(m.tensors) == 2 else None
@@ -213,6 +229,10 @@ class _Converted:
 def _convert(ckpt: Checkpoint, m: Matrix, rows: tuple[int, int], fmt: str, measure: bool) -> _Converted:
     """Rows [r0, r1) of m in fmt (r0 a multiple of FP8_BLOCK)."""
     src = source_weight(ckpt, m)
+    if fmt == src.fmt.name and is_gguf_store(ckpt):  # a GGUF's matrix kept: its bytes as they are
+        data = np.ascontiguousarray(src.data[rows[0] : rows[1]])
+        scales = None if src.scales is None else np.ascontiguousarray(src.scales[rows[0] : rows[1]])
+        return _Converted(data, scales, 0.0, 0.0, all_finite(data))
     original = (src if rows == (0, m.rows) else src.row_slice(*rows)).dequantize()  # [r1 - r0, cols] f32
     data, scales = quantize(fmt, original)
     sq_err = sq = 0.0
@@ -334,18 +354,28 @@ def pack(
     refuse_overlap(dst, [src], "pack")  # replacing dst must never delete the checkpoint it is made from
     if dst.exists() and not force:
         raise InputError(f"pack: {dst} exists (use --force to replace it)")
-    ckpt = Checkpoint(src)
+    ckpt = open_source(src)
     matrices, others = find_matrices(ckpt)  # also refuses an unsupported or inconsistent model
 
     n_layers = 1 + max((int(x.group(1)) for x in map(_LAYER.search, matrices) if x), default=0)
     tied = not any("lm_head" in n for n in matrices)
+    native: dict[str, str] = {}
+
+    def kept(m: Matrix) -> str:
+        """A checkpoint's tensors are kept as they are; a GGUF's matrix is kept in its block format (as a
+        matrix of the store: the store has no tensor type for a block format)."""
+        if not is_gguf_store(ckpt):
+            return "keep"
+        if m.name not in native:
+            native[m.name] = source_weight(ckpt, m).fmt.name
+        return native[m.name]
 
     def target(m: Matrix) -> str:
         if is_router(m.name):
-            return "keep"
+            return kept(m)
         head = "lm_head" in m.name or (tied and "embed" in m.name)
         fmt = resolve_format(experts if is_routed_expert(m.name) else trunk, m.name, n_layers, head)
-        return fmt if fits(fmt, m.cols) else "keep"
+        return fmt if fmt != "keep" and fits(fmt, m.cols) else kept(m)
 
     def out_bytes(m: Matrix) -> int:
         fmt = target(m)
@@ -370,12 +400,40 @@ def pack(
             ckpt, tmp, matrices, others, target, progress, experts, trunk, report, n_threads, allow_nonfinite
         )
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        shutil.copy(src / "config.json", tmp / "config.json")
-        for f in [*TOKENIZER_FILES, *(p.name for p in Path(src).glob("tokenization_*.py"))]:
-            if (Path(src) / f).exists():
-                shutil.copy(Path(src) / f, tmp / f)
+        if is_gguf_store(ckpt):
+            _write_gguf_companions(ckpt, tmp)
+        else:
+            shutil.copy(src / "config.json", tmp / "config.json")
+            for f in [*TOKENIZER_FILES, *(p.name for p in Path(src).glob("tokenization_*.py"))]:
+                if (Path(src) / f).exists():
+                    shutil.copy(Path(src) / f, tmp / f)
         verify(tmp, n_threads)
     return dst
+
+
+def _write_gguf_companions(store: Any, out: Path) -> None:
+    """A GGUF's config, tokenizer and chat template as the files a checkpoint directory has, so that the
+    packed store loads as any other: config.json, tokenizer.json, tokenizer_config.json."""
+    from ..gguf_tokenizer import gguf_tokenizer
+
+    config = dict(store.config)
+    tok = gguf_tokenizer(store)
+    if tok is not None:  # every end-of-text id the GGUF names (eos, eot, eom) stops generation as before
+        given = config.get("eos_token_id")
+        ids = [given] if isinstance(given, int) else list(given or [])
+        config["eos_token_id"] = list(dict.fromkeys([*ids, *tok.eos_ids]))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    if tok is None:
+        return
+    (out / "tokenizer.json").write_text(tok._json)
+    cfg: dict[str, Any] = {"add_bos_token": bool(tok.add_bos)}
+    for key, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_ids[0] if tok.eos_ids else None)):
+        if i is not None:
+            cfg[key] = tok.tok.id_to_token(i)
+    cfg["added_tokens_decoder"] = {str(i): {"content": t, "special": True} for t, i in tok.special_tokens.items()}
+    if store.chat_template is not None:
+        cfg["chat_template"] = store.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False))
 
 
 def _write(
