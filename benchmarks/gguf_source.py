@@ -9,8 +9,9 @@ within 10% of the packed one), pack / checkpoint (what `moestream pack` buys) an
         [--skip-checkpoint] [--json FILE]
 
 The model is decode.py's synthetic Qwen3-30B-A3B-width qwen3_moe (8 layers: 11.2 GB bf16), made once under
-/tmp/moestream-bench with its pack (`--experts q4_k_m --trunk q4_k_m`, llama.cpp's Q4_K_M mix) and its GGUF
-(llama.cpp's converter, then its quantizer at Q4_K_M), as streaming.py makes them; llama-cpp-python built
+/tmp/moestream-bench with its GGUF (llama.cpp's converter, then its quantizer at Q4_K_M) as streaming.py makes
+it, and the pack of that GGUF (`moestream pack X.gguf DST`: the same blocks, one blob an expert; the same
+weights, so the same routing and tokens, and the GGUF / pack ratio is the layout's alone); llama-cpp-python built
 from source, its sdist's llama.cpp tree given as --llama-cpp (only needed while the GGUF is missing). Needs
 root for the memory cgroup (v1 or v2).
 
@@ -214,14 +215,16 @@ def ensure_models(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     if not (path / "config.json").exists():
         print(f"writing {path} ...", file=sys.stderr)
         synth("qwen3_moe", path, {**QWEN3_30B_A3B, "num_hidden_layers": args.layers}, dtype="bf16", seed=0)
-    packed = path.with_name(path.name + "-q4_k_m")
-    if not (packed / "manifest.json").exists():
-        print(f"packing {packed} ...", file=sys.stderr)
-        pack(path, packed, experts="q4_k_m", trunk="q4_k_m", progress=False)
     gguf = path / "ggml-q4_k_m.gguf"
     if not gguf.exists():
         print(f"converting and quantizing {gguf} ...", file=sys.stderr)
         gguf = llama_cpp_gguf(args.llama_cpp, path)
+    # the same model packed: the GGUF's own blocks, laid out as one blob an expert (same weights, same
+    # routing, so the two runs differ only in how the experts lie on disk)
+    packed = path.with_name(path.name + "-gguf-pack")
+    if not (packed / "manifest.json").exists():
+        print(f"packing {packed} ...", file=sys.stderr)
+        pack(gguf, packed, progress=False)
     return path, packed, gguf
 
 
@@ -281,7 +284,7 @@ def main() -> None:
 
     print(f"model: qwen3_moe Qwen3-30B-A3B width, {args.layers} layers, as three sources:")
     print(f"  GGUF: {gguf} (llama.cpp's converter + quantizer, Q4_K_M)")
-    print(f"  pack: {packed} (moestream pack --experts q4_k_m --trunk q4_k_m)")
+    print(f"  pack: {packed} (moestream pack of the GGUF: its blocks kept, one blob an expert)")
     print(f"  checkpoint: {path} (bf16 safetensors)")
     print(f"threads {args.threads}; prompt {args.prompt} tokens, generate {args.gen}; best of {args.rounds} round(s)")
     print(f"cgroup runs: memory limit {args.limit}, moestream --ram {args.ram}, every model file evicted first\n")
