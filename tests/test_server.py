@@ -207,6 +207,31 @@ def test_bad_requests_get_4xx_in_openais_shape(server, client):
     assert client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
 
 
+def test_fields_the_server_does_not_act_on_are_400s_naming_them(server, client):
+    """tools, response_format and any other field the server would have to ignore are refused, so that a
+    client never believes it got a tool call or JSON it did not get."""
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for extra, param in [
+        ({"tools": [tool]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"made_up_field": 1}, "made_up_field"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**chat, extra_body=extra)  # type: ignore[call-overload]
+        assert e.value.param == param and "not supported" in str(e.value), extra
+    r = post(server[0] + "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x", "x": 1}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.x"
+    r = post(server[0] + "/v1/completions", {"model": NAME, "prompt": "x", "best_of": 2, "logit_bias": {}})
+    assert r.status_code == 400 and "best_of, logit_bias: not supported" in r.json()["error"]["message"]
+    # what is supported still works, a message's name included
+    named = [{"role": "user", "content": "x", "name": "ada"}]
+    out = client.chat.completions.create(model=NAME, messages=named, max_tokens=2, temperature=0, user="u1")  # type: ignore[arg-type]
+    assert out.usage is not None and out.usage.completion_tokens == 2
+
+
 def served_url(proc: subprocess.Popen) -> str:
     """The address `serve` prints once its socket is bound (read by a thread: a bounded wait)."""
     lines: queue.Queue[str] = queue.Queue()

@@ -116,10 +116,11 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 class _Body(BaseModel):
-    """A request body: unknown fields ignored, numbers finite, strings valid Unicode (else a 400 naming the
-    field)."""
+    """A request body: every field one this server acts on (any other, such as tools or response_format,
+    is a 400 naming it: a client must not believe it got what it asked for), numbers finite, strings
+    valid Unicode (else a 400 naming the field)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # JSON as Python reads it allows NaN
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # JSON as Python reads it allows NaN
 
     @field_validator("*")
     @classmethod
@@ -144,7 +145,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1)
-    user: str | None = None
+    user: str | None = None  # the end user's id, for the client's own records: nothing to act on
 
     def sampling(self, generation: GenerationDefaults | None = None) -> SamplingParams:
         """The request's sampling; a field the request leaves out takes the model's generation_config.json
@@ -181,6 +182,7 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # given to the chat template, which may write it
 
 
 class ChatRequest(_Sampling):
@@ -319,7 +321,7 @@ class Engine:
                     raise ApiError(400, "only text content parts are supported", "messages")
                 content = "".join(str(t) for t in texts)
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": content or ""})
+            messages.append({"role": role, "content": content or ""} | ({"name": m.name} if m.name else {}))
         try:  # message content is encoded as text: only the template writes special tokens
             ids = self.template.encode(messages, self.model._need_tokenizer(), add_generation_prompt=True)
         except InputError as e:
@@ -526,8 +528,13 @@ def create_app(engine: Engine, docs: bool = False) -> Any:
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        extra = [".".join(str(x) for x in err.get("loc", []) if x != "body") for err in errs]
+        extra = [name for name, err in zip(extra, errs, strict=True) if err.get("type") == "extra_forbidden"]
         if first.get("type") == "json_invalid":
             msg, loc = "the request body is not valid JSON", []
+        elif extra:  # name every field this server would otherwise have to ignore
+            msg = f"{', '.join(extra)}: not supported by this server (it would have to ignore it)"
+            loc = extra[0].split(".")
         else:
             msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return respond(ApiError(400, msg, ".".join(loc) or None))
