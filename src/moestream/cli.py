@@ -400,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible HTTP server",
         description="Serve /v1/models, /v1/completions, /v1/chat/completions (streaming or not) and /health. "
         "Requests are served one at a time, in arrival order; a client that leaves is dropped. SIGTERM or "
-        "SIGINT ends the requests in flight (with an error saying so) and exits 0.",
+        "SIGINT ends the requests in flight (with an error saying so) and exits 0. Also /metrics (Prometheus), "
+        "/tokenize and /detokenize.",
     )
     add_model_arg(v, SOURCE_HELP)
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -423,6 +424,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="close a keep-alive connection idle this long (default 5)",
     )
     v.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    v.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on every route but /health (default: $MOESTREAM_API_KEY, else none)",
+    )
+    v.add_argument(
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="let browser pages from this origin (https://host[:port]) call the server; repeatable (default: none)",
+    )
+    v.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="warning",
+        help="log to stderr from this level; info adds an access log line per request (default warning)",
+    )
     add_threads_arg(v)
     add_memory_args(v)
 

@@ -44,7 +44,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.requests import Request  # at module level: FastAPI resolves the routes' annotations here
@@ -54,6 +54,9 @@ from .errors import InputError, IntegrityError, MoeStreamError
 from .generate import GenerationStats, Model
 from .generation_config import GenerationDefaults
 from .sampling import SEED_MAX, SamplingParams
+
+if TYPE_CHECKING:
+    from .server_ops import OpsOptions
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SHUTTING_DOWN = "server_shutting_down"
@@ -247,6 +250,8 @@ class Engine:
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
         self._stopping = False
+        # called on the engine's thread with each job's stats when it ends, however it ends (/metrics)
+        self.job_ended: list[Callable[[GenerationStats], object]] = []
         self._thread = threading.Thread(target=self._work, name="moestream-engine", daemon=True)
         self._thread.start()
 
@@ -398,6 +403,9 @@ class Engine:
                 job.emit(Finished(stats, stream.finish_reason))
         except Exception as e:  # the job fails; the engine goes on with the next
             job.emit(Failed(as_api_error(e)))
+        finally:
+            for listener in self.job_ended:
+                listener(stats)
 
 
 # ---- the HTTP side ---------------------------------------------------------------------------------
@@ -689,10 +697,18 @@ def make_server(
     docs: bool = False,
     header_timeout: float = 10.0,
     keep_alive_timeout: float = 5.0,
+    ops: OpsOptions | None = None,
 ) -> Any:
     """The uvicorn server for the engine. As soon as it begins to shut down (a signal, or should_exit) it
-    ends the engine's jobs, so no open response keeps it waiting."""
+    ends the engine's jobs, so no open response keeps it waiting. ops: metrics, API key, CORS and log level
+    (server_ops.py)."""
     import uvicorn
+
+    from .server_ops import OpsOptions, install
+
+    ops = ops or OpsOptions()
+    app = create_app(engine, docs=docs)
+    install(app, engine, ops)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -700,10 +716,11 @@ def make_server(
             await super().shutdown(sockets)
 
     config = uvicorn.Config(
-        create_app(engine, docs=docs),
+        app,
         host=host,
         port=port,
-        log_level="warning",
+        log_level=ops.log_level,
+        access_log=False,  # server_ops writes its own, with the seconds each request took
         http=_h11_with_request_timeout(header_timeout),
         timeout_keep_alive=math.ceil(keep_alive_timeout),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
@@ -753,10 +770,13 @@ def _bind(host: str, port: int) -> socket.socket:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .generate import load_from_args
     from .runtime import planner
+    from .server_ops import configure_logging, options_from_args
 
     if args.list_presets:
         planner.print_presets()
         return 0
+    ops = options_from_args(args.api_key, args.cors_origin, args.log_level)  # checked before the model loads
+    configure_logging(ops.log_level)
     model = load_from_args(args, chat=True)
     try:
         sock = _bind(args.host, args.port)
@@ -772,6 +792,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         docs=args.docs,
         header_timeout=args.header_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
+        ops=ops,
     )
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL
     print(f"moestream: serving {name} ({model.path}) on http://{host}:{sock.getsockname()[1]}/v1", flush=True)
