@@ -393,19 +393,21 @@ class Engine:
 
     def _run_one(self, job: Job) -> None:
         stats = GenerationStats()
+        end: Finished | Failed | None = None  # None: cancelled, nobody to tell
         try:
             stream = self.model.complete(job.prompt, job.max_tokens, sampling=job.sampling, stats=stats)
             for piece in stream:
                 if job.cancelled.is_set():
-                    return  # the stream's generators are closed as they go out of scope
+                    break  # the stream's generators are closed as they go out of scope
                 job.emit(Piece(piece))
             if not job.cancelled.is_set():
-                job.emit(Finished(stats, stream.finish_reason))
+                end = Finished(stats, stream.finish_reason)
         except Exception as e:  # the job fails; the engine goes on with the next
-            job.emit(Failed(as_api_error(e)))
-        finally:
-            for listener in self.job_ended:
-                listener(stats)
+            end = Failed(as_api_error(e))
+        for listener in self.job_ended:  # before the end is sent: a client that then reads /metrics sees its job
+            listener(stats)
+        if end is not None:
+            job.emit(end)
 
 
 # ---- the HTTP side ---------------------------------------------------------------------------------

@@ -205,11 +205,19 @@ class _Observed:
             return
         start = time.perf_counter()
         status = 500  # if the app fails before it answers, the outermost handler answers 500
+        recorded = False
+
+        def record() -> None:
+            nonlocal recorded
+            recorded = True
+            self._record(scope, status, time.perf_counter() - start)
 
         async def observe(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                record()  # before the last bytes go: a client that has its answer finds it counted
             await send(message)
 
         self.metrics.in_flight.inc()
@@ -217,24 +225,20 @@ class _Observed:
             await self.app(scope, receive, observe)
         finally:
             self.metrics.in_flight.dec()
-            seconds = time.perf_counter() - start
-            endpoint = _route_of(scope)
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.duration.labels(endpoint).observe(seconds)
-            if access_log.isEnabledFor(logging.INFO):
-                client = scope.get("client")
-                who = f"{client[0]}:{client[1]}" if client else "-"
-                query = scope.get("query_string", b"").decode("latin-1")
-                target = scope["path"] + (f"?{query}" if query else "")
-                access_log.info(
-                    '%s "%s %s HTTP/%s" %d %.3fs',
-                    who,
-                    scope["method"],
-                    target,
-                    scope.get("http_version", "1.1"),
-                    status,
-                    seconds,
-                )
+            if not recorded:  # the app failed, or the client left before the end
+                record()
+
+    def _record(self, scope: Scope, status: int, seconds: float) -> None:
+        endpoint = _route_of(scope)
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        self.metrics.duration.labels(endpoint).observe(seconds)
+        if access_log.isEnabledFor(logging.INFO):
+            client = scope.get("client")
+            who = f"{client[0]}:{client[1]}" if client else "-"
+            query = scope.get("query_string", b"").decode("latin-1")
+            target = scope["path"] + (f"?{query}" if query else "")
+            version = scope.get("http_version", "1.1")
+            access_log.info('%s "%s %s HTTP/%s" %d %.3fs', who, scope["method"], target, version, status, seconds)
 
 
 class _ApiKey:
