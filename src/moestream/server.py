@@ -1,7 +1,8 @@
 """`moestream serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 /v1/models, /v1/completions and /v1/chat/completions, streaming (server-sent events) or not, with
-`usage` counts; /health, with the number of jobs queued and running.
+`usage` counts; /health, with the number of jobs queued and running. /metrics, /tokenize, /detokenize, the
+API key, CORS and the access log are server_ops.py's.
 
 The engine never waits on a client. One engine thread owns the model and runs jobs in arrival order;
 each job sends its events (text pieces, then the end or an error) to its request's asyncio queue with
