@@ -188,6 +188,7 @@ def test_metrics_move_by_exactly_the_requests_served(guarded):
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=NAME, prompt="x", max_tokens=10_000)
     assert get(url + "/v1/nothing/here", headers=auth()).status_code == 404
+    assert post(url + "/v1/completions", {"model": NAME, "prompt": "x"}).status_code == 401  # no key
     after = scrape(url, auth())
 
     def moved(name: str, **labels: str) -> float:
@@ -198,8 +199,9 @@ def test_metrics_move_by_exactly_the_requests_served(guarded):
     assert moved("moestream_requests_total", endpoint="/v1/chat/completions", status="200") == 1
     assert moved("moestream_requests_total", endpoint="/v1/completions", status="400") == 1
     assert moved("moestream_requests_total", endpoint="unmatched", status="404") == 1  # no label per raw path
+    assert moved("moestream_requests_total", endpoint="/v1/completions", status="401") == 1
     assert moved("moestream_requests_total", endpoint="/metrics", status="200") == 1  # the first scrape
-    assert moved("moestream_request_duration_seconds_count", endpoint="/v1/completions") == 2
+    assert moved("moestream_request_duration_seconds_count", endpoint="/v1/completions") == 3
     assert moved("moestream_jobs_total") == 2  # the refused request never became a job
     assert moved("moestream_prompt_tokens_total") == one.usage.prompt_tokens + two.prompt_tokens
     assert moved("moestream_generated_tokens_total") == one.usage.completion_tokens + two.completion_tokens

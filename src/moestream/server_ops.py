@@ -185,10 +185,15 @@ class _StreamingCollector:
 # ---- middleware ------------------------------------------------------------------------------------
 
 
-def _route_of(scope: Scope) -> str:
+def _route_of(scope: Scope, routes: list[Any]) -> str:
     """The route's path template (/v1/models/{model_id}), never the raw path: a label per raw path would
-    let any client grow the registry without bound."""
+    let any client grow the registry without bound. A request refused before routing (a 401) is matched
+    here, so that its route is still named; no route at all is "unmatched"."""
+    from starlette.routing import Match
+
     route = scope.get("route")
+    if route is None:
+        route = next((r for r in routes if r.matches(scope)[0] == Match.FULL), None)
     path = getattr(route, "path", None)
     return path if isinstance(path, str) else "unmatched"
 
@@ -196,8 +201,8 @@ def _route_of(scope: Scope) -> str:
 class _Observed:
     """Counts and times every HTTP request, and writes its access-log line, once its response has ended."""
 
-    def __init__(self, app: Asgi, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: Asgi, metrics: ServerMetrics, routes: list[Any]):
+        self.app, self.metrics, self.routes = app, metrics, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -229,7 +234,7 @@ class _Observed:
                 record()
 
     def _record(self, scope: Scope, status: int, seconds: float) -> None:
-        endpoint = _route_of(scope)
+        endpoint = _route_of(scope, self.routes)
         self.metrics.requests.labels(endpoint, str(status)).inc()
         self.metrics.duration.labels(endpoint).observe(seconds)
         if access_log.isEnabledFor(logging.INFO):
@@ -351,5 +356,5 @@ def install(app: Any, engine: Engine, options: OpsOptions) -> ServerMetrics:
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
-    app.add_middleware(_Observed, metrics=metrics)
+    app.add_middleware(_Observed, metrics=metrics, routes=app.router.routes)
     return metrics
