@@ -305,6 +305,8 @@ def test_bad_tokenize_and_detokenize_requests_are_4xx(open_server):
     for body in ({}, {"prompt": 3}, {"prompt": "\ud800"}):
         r = post(url + "/tokenize", body)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", body
+    r = post(url + "/tokenize", {"prompt": "x", "messages": []})  # vLLM's chat form: not served, so a 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = post(url + "/tokenize", {"prompt": "x", "model": "other"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert post(url + "/detokenize", {"tokens": []}).json() == {"prompt": ""}
