@@ -233,6 +233,19 @@ def test_the_demo_within_a_budget_is_the_demo():
             assert model.streaming is not None and model.logits(ids).tobytes() == want, ram
 
 
+def test_generation_after_generation_in_a_small_cache():
+    """Wrong prefetches left at the end of one generation must not keep their slots: with a handful of
+    slots, every later generation (a server's next request) runs, with the resident run's tokens."""
+    import moestream
+
+    with moestream.load("demo", threads=1) as model:
+        prompts = [model.tokenize(t) for t in ("import os", "def f(x):", "class A:", "import os")]
+        want = [list(model.generate(p, 8)) for p in prompts]
+    with moestream.load("demo", ram="40M", context=256, threads=1) as model:
+        assert model.streaming is not None and model.streaming.plan.expert_slots < 8
+        assert [list(model.generate(p, 8)) for p in prompts] == want
+
+
 def test_trace_replays_and_lfu_beats_lru(packed, tmp_path):
     trace_file = tmp_path / "trace.jsonl"
     p = cli("run", str(packed), "--ids", PROMPT, "--gen", "24", "--json", "--ignore-eos", "--trace", str(trace_file))

@@ -187,10 +187,29 @@ class ExpertCache:
 
     # ---- slots ------------------------------------------------------------------------------------
 
+    def _reap(self, wait: bool) -> None:
+        """Reads nobody holds (prefetches not asked for yet, or never: a wrong guess) leave `pending` once
+        done, so that their slots can be evicted; wait: waits for those still in flight. Without this a
+        wrong prefetch would hold its slot until its expert was next asked for, and a small cache would
+        run out of slots across generations."""
+        for key in [k for k in self.pending if not self.pins.get(k)]:
+            futs = self.pending[key]
+            if not wait and not all(f.done() for f in futs):
+                continue
+            del self.pending[key]
+            if any(f.exception() is not None for f in futs):  # (waits for a read in flight)
+                self._forget(key)
+
     def _slot(self, key: Key, wait_ok: bool) -> int | None:
         if self.free:
             return self.free.pop()
+        self._reap(wait=False)
         candidates = [k for k in self.slot_of if not self.pins.get(k) and k not in self.pending]
+        if not candidates and wait_ok:
+            self._reap(wait=True)
+            if self.free:
+                return self.free.pop()
+            candidates = [k for k in self.slot_of if not self.pins.get(k) and k not in self.pending]
         if not candidates:
             return None
         victim: Key = self.policy.victim(candidates)  # type: ignore[assignment]
