@@ -281,34 +281,18 @@ def test_serve_command_starts_on_a_free_port_and_answers():
 LONG_PROMPT = "def f(x):"  # the demo model writes well past 64 tokens after it, greedy, without an end of text
 
 
-class CountedStream:
-    """A TextStream that counts the pieces the engine took from it."""
-
-    def __init__(self, stream):
-        self.stream, self.pieces = stream, 0
-
-    def __iter__(self):
-        for piece in self.stream:
-            self.pieces += 1
-            yield piece
-
-    @property
-    def finish_reason(self):
-        return self.stream.finish_reason
-
-
 @pytest.fixture
 def runs(server, monkeypatch):
-    """Every generation the engine starts from now on: (prompt ids, CountedStream)."""
-    model, started = server[1].model, []
-    real = model.complete
+    """Every job the engine starts from now on: (prompt ids, its GenerationStats, filled in as it runs)."""
+    engine, started = server[1], []
+    real = engine._start
 
-    def complete(prompt, *args, **kwargs):
-        counted = CountedStream(real(prompt, *args, **kwargs))
-        started.append((list(prompt), counted))
-        return counted
+    def start(job):
+        active = real(job)
+        started.append((list(job.prompt), active.stats))
+        return active
 
-    monkeypatch.setattr(model, "complete", complete)
+    monkeypatch.setattr(engine, "_start", start)
     return started
 
 
@@ -353,12 +337,13 @@ def test_an_abandoned_stream_is_dropped_and_the_next_request_answered(server, cl
     quick = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
     r = quick.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0)
     assert r.usage.completion_tokens == 2
-    assert len(runs) == 2 and runs[0][1].pieces < 64  # cancelled, not run to its 64 tokens
+    assert len(runs) == 2 and runs[0][1].generated_tokens < 64  # cancelled, not run to its 64 tokens
     wait_until(lambda: engine_idle(url), "the engine is idle")
 
 
-def test_a_non_streaming_client_that_leaves_is_dropped_running_or_queued(server, client, runs):
+def test_a_non_streaming_client_that_leaves_is_dropped_running_or_queued(server, client, runs, monkeypatch):
     url = server[0]
+    monkeypatch.setattr(server[1], "max_batch", 1)  # one at a time, so that the second request waits
     ahead = client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=64, temperature=0, stream=True)
     next(iter(ahead))  # the engine is busy with this one
     queued = raw_post(url, {"model": NAME, "prompt": "def queued():", "max_tokens": 64, "temperature": 0})
@@ -367,11 +352,11 @@ def test_a_non_streaming_client_that_leaves_is_dropped_running_or_queued(server,
     wait_until(lambda: health(url)["queued"] == 0, "the queued request's client is seen to leave")
     ahead.close()
     running = raw_post(url, {"model": NAME, "prompt": LONG_PROMPT, "max_tokens": 64, "temperature": 0})
-    wait_until(lambda: len(runs) == 2 and runs[1][1].pieces > 0, "the third request runs")
+    wait_until(lambda: len(runs) == 2 and runs[1][1].generated_tokens > 0, "the third request runs")
     running.close()
     wait_until(lambda: engine_idle(url), "the engine is idle")
     assert len(runs) == 2  # the queued request whose client left never ran
-    assert runs[1][1].pieces < 64  # the running one was cancelled
+    assert runs[1][1].generated_tokens < 64  # the running one was cancelled
     assert client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
 
 
@@ -460,9 +445,9 @@ def test_an_unexpected_exception_is_a_500_in_json_without_a_traceback(server, cl
     def broken(*args, **kwargs):
         raise RuntimeError("internal detail /secret/path")
 
-    for where in ("complete", "tokenize"):  # in the engine's thread; while making the job
+    for owner, where in ((model.decoder, "forward_batch"), (model, "tokenize")):  # in the engine; making the job
         with monkeypatch.context() as m:
-            m.setattr(model, where, broken)
+            m.setattr(owner, where, broken)
             r = post(server[0] + "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 500, where
         assert r.json()["error"]["type"] == "server_error"
@@ -476,9 +461,9 @@ def test_an_input_error_from_the_model_or_tokenizer_is_a_400(server, monkeypatch
     def refuses(*args, **kwargs):
         raise moestream.errors.InputError("this text cannot be encoded")
 
-    for where in ("complete", "tokenize"):
+    for owner, where in ((model.decoder, "forward_batch"), (model, "tokenize")):
         with monkeypatch.context() as m:
-            m.setattr(model, where, refuses)
+            m.setattr(owner, where, refuses)
             r = post(server[0] + "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 400, where
         assert r.json()["error"] == {
@@ -490,17 +475,24 @@ def test_an_input_error_from_the_model_or_tokenizer_is_a_400(server, monkeypatch
 
 
 def test_an_integrity_error_mid_stream_ends_it_with_an_error_event(server, client, monkeypatch):
-    def failing_read(*args, **kwargs):
-        yield "first"
-        yield " second"
-        raise moestream.errors.IntegrityError("experts.bin: checksum mismatch at offset 4096")
+    whole = client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=8, temperature=0).choices[0].text
+    decoder = server[1].model.decoder
+    real, steps = decoder.forward_batch, []
 
-    monkeypatch.setattr(server[1].model, "complete", failing_read)
+    def failing_read(*args, **kwargs):  # the prompt and two tokens, then a read fails
+        steps.append(1)
+        if len(steps) > 3:
+            raise moestream.errors.IntegrityError("experts.bin: checksum mismatch at offset 4096")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "forward_batch", failing_read)
     texts = []
     with pytest.raises(openai.APIError, match=r"integrity check failed: experts\.bin") as e:
-        for chunk in client.completions.create(model=NAME, prompt="x", max_tokens=8, stream=True):
+        for chunk in client.completions.create(
+            model=NAME, prompt=LONG_PROMPT, max_tokens=8, stream=True, temperature=0
+        ):
             texts.append(chunk.choices[0].text)
-    assert texts == ["first", " second"] and e.value.type == "server_error"
+    assert texts and whole.startswith("".join(texts)) and e.value.type == "server_error"
     with pytest.raises(openai.InternalServerError, match="integrity check failed") as e:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=8)
     assert e.value.status_code == 500
@@ -542,7 +534,7 @@ def test_connections_that_do_not_send_a_whole_request_are_closed(server):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_ends_the_requests_in_flight_and_the_server_exits_0(sig):
-    proc, url = start_serve("--docs")
+    proc, url = start_serve("--docs", "--max-batch", "1")
     try:
         assert http("GET", url + "/openapi.json").status_code == 200  # --docs
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)

@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="an OpenAI-compatible HTTP server",
         description="Serve /v1/models, /v1/completions, /v1/chat/completions (streaming or not) and /health. "
-        "Requests are served one at a time, in arrival order; a client that leaves is dropped. SIGTERM or "
+        "Up to --max-batch requests are decoded together, one forward pass a step, each getting exactly what it "
+        "would get alone; more wait in arrival order; a client that leaves is dropped. SIGTERM or "
         "SIGINT ends the requests in flight (with an error saying so) and exits 0. Also /metrics (Prometheus), "
         "/tokenize and /detokenize.",
     )
@@ -409,6 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model-name", help="the model id clients use (default: the directory name)")
     v.add_argument("--ctx", "-c", type=_int_at_least(1), default=4096, help="most tokens per request, prompt + reply")
     v.add_argument("--max-tokens", type=_int_at_least(1), default=1024, help="most tokens a request may generate")
+    v.add_argument(
+        "--max-batch",
+        "--parallel",
+        "-np",
+        type=_int_in(1, 256),
+        default=8,
+        help="requests decoded together (default 8; 1: one at a time); under --ram the plan holds KV for each",
+    )
     v.add_argument(
         "--header-timeout",
         type=_float_in(0.1, 3600),

@@ -100,9 +100,11 @@ class Model:
         prompt_tokens: int | None = None,
         policy: str | None = None,
         prefetch: bool = True,
+        sequences: int = 1,
     ) -> Streaming:
-        """Runs the model within `ram` from now on (load(..., ram=) calls this): plans the budget for a
-        context of `context` tokens (the longest prompt chunk: prompt_tokens, default the context),
+        """Runs the model within `ram` from now on (load(..., ram=) calls this): plans the budget for
+        `sequences` concurrent sequences (a server's batch) of up to `context` tokens each (the longest
+        prompt chunk: prompt_tokens, default the context),
         refusing with InputError a budget that cannot hold it; the experts and the trunk parts the plan
         does not pin are read from the model's files as they are needed. Outputs do not change."""
         from .runtime.policies import DEFAULT_POLICY
@@ -114,6 +116,8 @@ class Model:
         assert budget is not None
         if not 0 < context <= 1 << 24:
             raise InputError(f"context must be between 1 and {1 << 24} tokens, got {context}")
+        if not 0 < sequences <= 4096:
+            raise InputError(f"sequences must be between 1 and 4096, got {sequences}")
         self.streaming = attach(
             self,
             self.store,
@@ -122,6 +126,7 @@ class Model:
             prompt_tokens=context if prompt_tokens is None else prompt_tokens,
             policy=policy or DEFAULT_POLICY,
             prefetch=prefetch,
+            sequences=sequences,
         )
         return self.streaming
 
@@ -280,6 +285,36 @@ class Model:
         return TextStream(self, prompt, max_new_tokens, sampling, state, stop_at_eos, stats, progress, generate_kwargs)
 
 
+class TextTail:
+    """Generated ids to text pieces: an end-of-text id ends the text (it is not part of it), a stop string
+    cuts it short (finish_reason "stop"; else "length"). feed each id, then flush once at the end."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] | list[str], eos: set[int] | frozenset[int]):
+        self.decoder = tokenizer.stream()
+        self.stops = StopMatcher(stop)
+        self.eos = eos
+        self.finish_reason = "length"
+        self.done = False
+
+    def feed(self, token: int) -> str:
+        if token in self.eos:
+            self.finish_reason, self.done = "stop", True
+            return ""
+        piece = self.stops.feed(self.decoder.feed(token))
+        if self.stops.stopped:
+            self.finish_reason, self.done = "stop", True
+        return piece
+
+    def flush(self) -> str:
+        """What is held back (an unfinished character, text that might begin a stop string)."""
+        if self.stops.stopped:
+            return ""
+        tail = self.stops.feed(self.decoder.flush()) + self.stops.flush()
+        if self.stops.stopped:
+            self.finish_reason = "stop"
+        return tail
+
+
 class TextStream:
     """Iterating yields text pieces; the end-of-text token is not part of the text."""
 
@@ -305,9 +340,7 @@ class TextStream:
 
     def __iter__(self) -> Iterator[str]:
         model = self.model
-        decoder = model._need_tokenizer().stream()
-        stops = StopMatcher(self.sampling.stop)
-        eos = set(model.eos_ids) if self.stop_at_eos else set()
+        text = TextTail(model._need_tokenizer(), self.sampling.stop, set(model.eos_ids) if self.stop_at_eos else set())
         self.finish_reason = "length"
         gen = model.generate(
             self.prompt,
@@ -321,20 +354,16 @@ class TextStream:
         )
         for token in gen:
             self.tokens.append(token)
-            if token in eos:
-                self.finish_reason = "stop"
-                break
-            piece = stops.feed(decoder.feed(token))
+            piece = text.feed(token)
             if piece:
                 self.text += piece
                 yield piece
-            if stops.stopped:
-                self.finish_reason = "stop"
+            if text.done:
+                self.finish_reason = text.finish_reason
                 gen.close()
-                return
-        tail = stops.feed(decoder.flush()) + stops.flush()
-        if stops.stopped:
-            self.finish_reason = "stop"
+                break
+        tail = text.flush()
+        self.finish_reason = text.finish_reason
         if tail:
             self.text += tail
             yield tail
@@ -378,6 +407,7 @@ def load(
     cache_policy: str | None = None,
     prefetch: bool = True,
     progress: bool = True,
+    sequences: int = 1,
 ) -> Model:
     """Opens a model: a checkpoint directory (config.json + safetensors + tokenizer), a packed store, a
     .gguf file (or the first part of a split one), a Hugging Face repo id (`org/name`, `org/name@rev`,
@@ -388,7 +418,8 @@ def load(
     the model takes less than 3/4 of the available memory. With ram (bytes, or a size such as "8G", or a
     preset name such as "laptop"), the model runs within that budget for contexts of up to `context`
     tokens: the same planner, the same report and the same bytes out as `--ram` (model.streaming, and
-    model.close() when done)."""
+    model.close() when done); `sequences`: how many sequences at once the budget must hold state for (a
+    server's --max-batch)."""
     from .sources import resolve
 
     src = resolve(source, progress=progress)
@@ -409,7 +440,7 @@ def load(
         for path, arr in store.mapped_files():
             guard_map(arr, path)
     if budget is not None:
-        model.use_budget(budget, context=context, policy=cache_policy, prefetch=prefetch)
+        model.use_budget(budget, context=context, policy=cache_policy, prefetch=prefetch, sequences=sequences)
     return model
 
 
@@ -425,6 +456,7 @@ def load_from_args(args: argparse.Namespace, *, chat: bool = False) -> Model:
         context=args.ctx,
         cache_policy=args.cache_policy,
         prefetch=not args.no_prefetch,
+        sequences=getattr(args, "max_batch", 1),
     )
     if chat and model.tokenizer is None:
         model.close()

@@ -50,9 +50,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.requests import Request  # at module level: FastAPI resolves the routes' annotations here
 
+from .batch import LogitsConstraint, Sequence, TokenLogprobs, step
 from .chat import ChatTemplate, load_template
 from .errors import InputError, IntegrityError, MoeStreamError
-from .generate import GenerationStats, Model
+from .generate import PREFILL_CHUNK, GenerationStats, Model, TextTail
 from .generation_config import GenerationDefaults
 from .sampling import SEED_MAX, SamplingParams
 
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
     from .server_ops import OpsOptions
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_BATCH = 8
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 SHUTTING_DOWN = "server_shutting_down"
 # Once the jobs are ended, responses finish at once; this bounds only clients too slow to read them.
 GRACEFUL_SHUTDOWN_SECONDS = 5
@@ -178,8 +181,9 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt only
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
 
@@ -193,6 +197,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 # ---- what the engine sends a request ---------------------------------------------------------------
@@ -201,12 +206,16 @@ class ChatRequest(_Sampling):
 @dataclass
 class Piece:
     text: str
+    # the tokens whose text this piece completes (when the request asked for logprobs)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt: bool = False  # the prompt itself, scored (echo), before any generated text
 
 
 @dataclass
 class Finished:
     stats: GenerationStats
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # tokens whose text came with no piece
 
 
 @dataclass
@@ -230,6 +239,9 @@ class Job:
     sink: Callable[[Event], object] = _nowhere
     # set when nobody wants the events any more: the client left, or the server is stopping
     cancelled: threading.Event = field(default_factory=threading.Event)
+    logprobs: int | None = None  # the chosen tokens' logprobs with the top k alternatives
+    echo: bool = False  # the prompt scored first (completions' echo), with `logprobs` alternatives
+    constraint: LogitsConstraint | None = None
 
     def emit(self, event: Event) -> None:
         try:
@@ -238,23 +250,49 @@ class Job:
             self.cancelled.set()
 
 
-class Engine:
-    """The model and the one thread that runs its jobs, in arrival order, each feeding its own sink, so
-    the engine never waits on a client. One job runs at a time; batching several sequences a step
-    (issue 44) would make _run_one step every running job by a token in turn."""
+@dataclass
+class _Active:
+    """A job in the running batch: its sequence, and its text so far."""
 
-    def __init__(self, model: Model, name: str, ctx: int, max_tokens: int):
+    job: Job
+    seq: Sequence
+    text: TextTail
+    stats: GenerationStats
+    unsent: list[TokenLogprobs] = field(default_factory=list)  # logprobs of tokens whose text is held back
+
+
+class Engine:
+    """The model and the one thread that runs its jobs, each feeding its own sink, so the engine never waits
+    on a client. Up to max_batch jobs run at once (continuous batching, batch.py): each step is one forward
+    pass for all of them, so a routed expert is read and multiplied once for every sequence that chose it;
+    a job that arrives joins at the next step, its prompt fed in chunks beside the others' tokens. Each job
+    gets exactly what it would get alone. Jobs beyond max_batch wait in arrival order."""
+
+    def __init__(self, model: Model, name: str, ctx: int, max_tokens: int, max_batch: int = DEFAULT_MAX_BATCH):
+        if max_batch < 1:
+            raise InputError(f"--max-batch must be at least 1, got {max_batch}")
         self.model, self.name, self.ctx, self.max_tokens = model, name, ctx, max_tokens
+        self.max_batch = max_batch
         self.template: ChatTemplate = load_template(model)
         self.created = int(time.time())
         self._changed = threading.Condition()  # guards the three below
         self._queue: deque[Job] = deque()
-        self._running: Job | None = None
+        self._active: list[_Active] = []
         self._stopping = False
         # called on the engine's thread with each job's stats when it ends, however it ends (/metrics)
         self.job_ended: list[Callable[[GenerationStats], object]] = []
         self._thread = threading.Thread(target=self._work, name="moestream-engine", daemon=True)
         self._thread.start()
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes (a byte-level token may hold part of a character)."""
+        tok = self.model._need_tokenizer()
+        decode_bytes = getattr(tok, "decode_bytes", None)
+        return decode_bytes([token]) if decode_bytes is not None else tok.decode([token]).encode()
+
+    def token_text(self, token: int) -> str:
+        """A token as text: its bytes as UTF-8, an incomplete character as U+FFFD."""
+        return self.token_bytes(token).decode("utf-8", errors="replace")
 
     # ---- requests into jobs ----------------------------------------------------------------------
 
@@ -300,8 +338,10 @@ class Engine:
 
     def completion_job(self, req: CompletionRequest) -> Job:
         sampling = self._check_common(req)
-        if req.echo or req.logprobs or req.suffix:
-            raise ApiError(400, "echo, logprobs and suffix are not supported", "echo")
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if req.max_tokens == 0 and not req.echo:
+            raise ApiError(400, "max_tokens may be 0 only with echo (to score the prompt)", "max_tokens")
         p = req.prompt
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
             ids = [int(x) for x in p]
@@ -312,12 +352,14 @@ class Engine:
                 ids = self.model.tokenize(str(p[0] if isinstance(p, list) else p))
             except InputError as e:
                 raise ApiError(400, str(e), "prompt") from None
-        return self._job(ids, req.max_tokens, sampling, DEFAULT_MAX_TOKENS, "prompt")
+        job = self._job(ids, req.max_tokens, sampling, DEFAULT_MAX_TOKENS, "prompt")
+        job.logprobs, job.echo = req.logprobs, req.echo
+        return job
 
     def chat_job(self, req: ChatRequest) -> Job:
         sampling = self._check_common(req)
-        if req.logprobs:
-            raise ApiError(400, "logprobs are not supported", "logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         messages = []
         for m in req.messages:
             content = m.content
@@ -333,7 +375,10 @@ class Engine:
         except InputError as e:
             raise ApiError(400, str(e), "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return self._job(ids, max_tokens, sampling, None, "messages")
+        job = self._job(ids, max_tokens, sampling, None, "messages")
+        if req.logprobs:
+            job.logprobs = req.top_logprobs or 0
+        return job
 
     # ---- the queue -------------------------------------------------------------------------------
 
@@ -345,7 +390,9 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return 0 if self._running is None else 1
+        """Jobs in the running batch."""
+        with self._changed:
+            return len(self._active)
 
     def submit(self, job: Job, sink: Callable[[Event], object]) -> None:
         """Queues the job; its events go to sink, called from the engine's thread."""
@@ -358,10 +405,10 @@ class Engine:
 
     def stop(self) -> None:
         """Refuses new jobs and ends every queued and running one now, from the caller's thread: their
-        clients are told at once, without waiting for the running job's next piece."""
+        clients are told at once, without waiting for the running step to end."""
         with self._changed:
             self._stopping = True
-            ending = [*self._queue, *([self._running] if self._running is not None else [])]
+            ending = [*self._queue, *(a.job for a in self._active)]
             self._queue.clear()
             self._changed.notify()
         for job in ending:
@@ -376,39 +423,87 @@ class Engine:
     # ---- the engine's thread ---------------------------------------------------------------------
 
     def _work(self) -> None:
-        while (job := self._next_job()) is not None:
-            self._run_one(job)
+        while self._admit():
+            active = self._active  # only this thread changes the list's contents
+            for a in [a for a in active if a.job.cancelled.is_set()]:
+                self._end(a, None)
+            if not active:
+                continue
+            try:
+                took = {id(s) for s in step(self.model, [a.seq for a in active], PREFILL_CHUNK, PREFILL_CHUNK)}
+                for a in [a for a in active if id(a.seq) in took]:
+                    self._advance(a)
+            except Exception as e:  # every job in the step fails; the engine goes on with the next ones
+                error = as_api_error(e)
+                for a in list(active):
+                    self._end(a, Failed(error))
 
-    def _next_job(self) -> Job | None:
-        """The oldest job whose client is still there; waits for one; None once stopping."""
+    def _admit(self) -> bool:
+        """Moves waiting jobs into the batch while it has room; waits while there is nothing to do. False
+        once stopping."""
         with self._changed:
-            self._running = None
             while not self._stopping:
-                while self._queue:
+                while self._queue and len(self._active) < self.max_batch:
                     job = self._queue.popleft()
                     if not job.cancelled.is_set():
-                        self._running = job
-                        return job
+                        self._active.append(self._start(job))
+                if self._active:
+                    return True
                 self._changed.wait()
-            return None
+            for a in self._active:
+                self._ended(a)
+            self._active.clear()
+            return False
 
-    def _run_one(self, job: Job) -> None:
-        stats = GenerationStats()
-        end: Finished | Failed | None = None  # None: cancelled, nobody to tell
-        try:
-            stream = self.model.complete(job.prompt, job.max_tokens, sampling=job.sampling, stats=stats)
-            for piece in stream:
-                if job.cancelled.is_set():
-                    break  # the stream's generators are closed as they go out of scope
-                job.emit(Piece(piece))
-            if not job.cancelled.is_set():
-                end = Finished(stats, stream.finish_reason)
-        except Exception as e:  # the job fails; the engine goes on with the next
-            end = Failed(as_api_error(e))
-        for listener in self.job_ended:  # before the end is sent: a client that then reads /metrics sees its job
-            listener(stats)
+    def _start(self, job: Job) -> _Active:
+        model = self.model
+        stats = GenerationStats(prompt_tokens=len(job.prompt))
+        seq = Sequence(
+            job.prompt,
+            job.max_tokens,
+            job.sampling,
+            model.new_state(),
+            frozenset(model.eos_ids),
+            logprobs=job.logprobs,
+            prompt_logprobs=(job.logprobs or 0) if job.echo else None,
+            constraint=job.constraint,
+            stats=stats,
+        )
+        text = TextTail(model._need_tokenizer(), job.sampling.stop, frozenset(model.eos_ids))
+        return _Active(job, seq, text, stats)
+
+    def _advance(self, a: _Active) -> None:
+        """After a step the job took part in: sends what it completed; ends it when it is done."""
+        seq, job = a.seq, a.job
+        if seq.prompt_scores and job.echo:  # the prompt was just scored: it comes first
+            job.emit(Piece(self.model.detokenize(job.prompt), seq.prompt_scores, prompt=True))
+            seq.prompt_scores = []
+        if seq.token is not None:
+            if seq.token_logprobs is not None and seq.token not in a.text.eos:
+                a.unsent.append(seq.token_logprobs)
+            piece = a.text.feed(seq.token)
+            if piece:
+                job.emit(Piece(piece, a.unsent))
+                a.unsent = []
+        if a.text.done or seq.done:
+            seq.done = True
+            tail = a.text.flush()
+            if tail:
+                job.emit(Piece(tail, a.unsent))
+                a.unsent = []
+            self._end(a, Finished(a.stats, a.text.finish_reason, a.unsent))
+
+    def _end(self, a: _Active, end: Finished | Failed | None) -> None:
+        """Takes the job out of the batch; tells its client how it ended (None: nobody to tell)."""
+        with self._changed:
+            self._active.remove(a)
+        self._ended(a)
         if end is not None:
-            job.emit(end)
+            a.job.emit(end)
+
+    def _ended(self, a: _Active) -> None:
+        for listener in self.job_ended:  # before the end is sent: a client that then reads /metrics sees its job
+            listener(a.stats)
 
 
 # ---- the HTTP side ---------------------------------------------------------------------------------
@@ -472,8 +567,8 @@ async def _sse_stream(
         listener.cancel()
 
 
-async def _whole(request: Request, listener: _Listener) -> tuple[str, Finished]:
-    """The job's whole text and its end; raises its error. A client that leaves first cancels the job."""
+async def _whole(request: Request, listener: _Listener) -> tuple[list[Piece], Finished]:
+    """The job's pieces and its end; raises its error. A client that leaves first cancels the job."""
     collecting = asyncio.ensure_future(_collect(listener))
     leaving = asyncio.ensure_future(_client_left(request))
     try:
@@ -488,16 +583,49 @@ async def _whole(request: Request, listener: _Listener) -> tuple[str, Finished]:
     raise ApiError(499, "the client closed the request")  # nginx's code; no one is there to read it
 
 
-async def _collect(listener: _Listener) -> tuple[str, Finished]:
-    text = ""
+async def _collect(listener: _Listener) -> tuple[list[Piece], Finished]:
+    pieces: list[Piece] = []
     async for event in listener.events():
         if isinstance(event, Piece):
-            text += event.text
+            pieces.append(event)
         elif isinstance(event, Finished):
-            return text, event
+            return pieces, event
         else:
             raise event.error
     raise AssertionError("a job's events end with Finished or Failed")
+
+
+class _Logprobs:
+    """Token logprobs in the two shapes of OpenAI's API, with each token's text and bytes."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.offset = 0  # the completions shape's text_offset: where the next token's text begins
+
+    def completion(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        """The completions API's shape: parallel lists (a prompt's first token has None for its logprob)."""
+        text = self.engine.token_text
+        tokens = [text(e.token) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.logprob is None else {text(i): lp for i, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def chat(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        """The chat API's shape: one object per token, with its top alternatives."""
+        engine = self.engine
+
+        def one(token: int, logprob: float | None) -> dict[str, Any]:
+            return {"token": engine.token_text(token), "logprob": logprob, "bytes": list(engine.token_bytes(token))}
+
+        content = [one(e.token, e.logprob) | {"top_logprobs": [one(i, lp) for i, lp in e.top]} for e in entries]
+        return {"content": content, "refusal": None}
 
 
 async def _client_left(request: Request) -> None:
@@ -577,23 +705,36 @@ def create_app(engine: Engine, docs: bool = False) -> Any:
         job = await _prepare(engine.completion_job, req)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": engine.name}
+        scores = _Logprobs(engine) if req.logprobs is not None else None
+
+        def logprobs(entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+            return scores.completion(entries) if scores is not None else None
+
         listener = _Listener(engine, job)
         if req.stream:
 
             def chunks(event: Piece | Finished) -> list[dict[str, Any]]:
                 text, finish = (event.text, None) if isinstance(event, Piece) else ("", event.finish_reason)
-                return [{**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}]
+                choice = {"index": 0, "text": text, "logprobs": logprobs(event.logprobs), "finish_reason": finish}
+                return [{**base, "choices": [choice]}]
 
             events = _sse_stream(listener, chunks, _usage_chunk(base, req), [])
             return StreamingResponse(events, media_type="text/event-stream")
-        text, end = await _whole(request, listener)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
+        pieces, end = await _whole(request, listener)
+        text = "".join(p.text for p in pieces)
+        entries = [e for p in pieces for e in p.logprobs] + end.logprobs
+        choice = {"index": 0, "text": text, "logprobs": logprobs(entries), "finish_reason": end.finish_reason}
         return {**base, "choices": [choice], "usage": _usage(end.stats)}
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
         job = await _prepare(engine.chat_job, req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        scores = _Logprobs(engine) if req.logprobs else None
+
+        def logprobs(entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+            return scores.chat(entries) if scores is not None else None
+
         listener = _Listener(engine, job)
         if req.stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.name}
@@ -603,6 +744,8 @@ def create_app(engine: Engine, docs: bool = False) -> Any:
                     choice = {"index": 0, "delta": {"content": event.text}, "finish_reason": None}
                 else:
                     choice = {"index": 0, "delta": {}, "finish_reason": event.finish_reason}
+                if scores is not None:
+                    choice["logprobs"] = logprobs(event.logprobs)
                 return [{**base, "choices": [choice]}]
 
             opening = {
@@ -611,14 +754,16 @@ def create_app(engine: Engine, docs: bool = False) -> Any:
             }
             events = _sse_stream(listener, chunks, _usage_chunk(base, req), [opening])
             return StreamingResponse(events, media_type="text/event-stream")
-        text, end = await _whole(request, listener)
-        message = {"role": "assistant", "content": text}
+        pieces, end = await _whole(request, listener)
+        message = {"role": "assistant", "content": "".join(p.text for p in pieces)}
+        entries = [e for p in pieces for e in p.logprobs] + end.logprobs
+        choice = {"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": end.finish_reason}
         return {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": engine.name,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": end.finish_reason}],
+            "choices": [choice],
             "usage": _usage(end.stats),
         }
 
@@ -787,7 +932,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model.close()
         raise
     name = args.model_name or model.name
-    engine = Engine(model, name, args.ctx, args.max_tokens)
+    engine = Engine(model, name, args.ctx, args.max_tokens, args.max_batch)
     server = make_server(
         engine,
         args.host,

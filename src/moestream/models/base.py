@@ -894,6 +894,48 @@ class Attention(Protocol):
 
 
 @dataclass
+class Rows:
+    """Where each sequence's positions sit in a step over several sequences (concurrent requests, a prefill
+    chunk beside decoding tokens): sequence i's rows of the step's activations are spans[i]. Every part but
+    attention works row by row (norms, products, the experts: each expert runs once over all the rows
+    that chose it, combined in each row's own top-k order), so a row's result does not depend on the
+    other rows in the step; attention runs per sequence on its own cache."""
+
+    spans: list[slice]
+    flat_ids: np.ndarray  # [T] int64: every sequence's ids, one after another
+    head: np.ndarray  # [R] int64: the rows the head computes logits for
+    head_spans: list[slice]  # sequence i's logits are head_spans[i] of the head's output
+
+    @classmethod
+    def of(cls, ids: list[list[int]], all_logits: list[bool] | None = None) -> Rows:
+        every = all_logits or [False] * len(ids)
+        spans: list[slice] = []
+        head: list[int] = []
+        head_spans: list[slice] = []
+        t = 0
+        for seq, all_rows in zip(ids, every, strict=True):
+            if not seq:
+                raise ValueError("every sequence in a step needs at least one position")
+            spans.append(slice(t, t + len(seq)))
+            picked = range(t, t + len(seq)) if all_rows else [t + len(seq) - 1]
+            head_spans.append(slice(len(head), len(head) + len(picked)))
+            head.extend(picked)
+            t += len(seq)
+        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, count=t)
+        return cls(spans, flat, np.asarray(head, np.int64), head_spans)
+
+    def split_head(self, logits: np.ndarray) -> list[np.ndarray]:
+        return [logits[s] for s in self.head_spans]
+
+
+def attend(attn: Attention, x: np.ndarray, rows: Rows, caches: list[Any], ctx: Ctx) -> np.ndarray:
+    """attn over each sequence's rows of x [T, E] with that sequence's cache, as if each came alone."""
+    if len(caches) == 1:
+        return attn(x, caches[0], ctx)
+    return np.concatenate([attn(x[span], cache, ctx) for span, cache in zip(rows.spans, caches, strict=True)])
+
+
+@dataclass
 class Block:
     input_norm: np.ndarray
     attn: Attention
@@ -901,8 +943,8 @@ class Block:
     ffn: FFN
     eps: float
 
-    def __call__(self, x: np.ndarray, cache: Cache, ctx: Ctx) -> np.ndarray:
-        h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, ctx)
+    def __call__(self, x: np.ndarray, rows: Rows, caches: list[Any], ctx: Ctx) -> np.ndarray:
+        h = x + attend(self.attn, rms_norm(x, self.input_norm, self.eps), rows, caches, ctx)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps), ctx)
 
 
@@ -927,6 +969,10 @@ class Model(Protocol):
 
     def forward(self, ids: list[int], state: State, ctx: Ctx, all_logits: bool = False) -> np.ndarray: ...
 
+    def forward_batch(
+        self, ids: list[list[int]], states: list[State], ctx: Ctx, all_logits: list[bool] | None = None
+    ) -> list[np.ndarray]: ...
+
 
 class Decoder:
     """embed -> blocks -> final norm -> lm_head."""
@@ -949,23 +995,32 @@ class Decoder:
 
     def forward(self, ids: list[int], state: State, ctx: Ctx, all_logits: bool = False) -> np.ndarray:
         """Runs ids (continuing state) and returns logits [T, vocab] (all_logits) or [1, vocab]."""
+        return self.forward_batch([ids], [state], ctx, [all_logits])[0]
+
+    def forward_batch(
+        self, ids: list[list[int]], states: list[State], ctx: Ctx, all_logits: list[bool] | None = None
+    ) -> list[np.ndarray]:
+        """One step over several sequences: ids[i] continues states[i]; each sequence's logits as forward
+        gives them alone (Rows)."""
+        rows = Rows.of(ids, all_logits)
         hooks = self.hooks
         if hooks:
             hooks.enter("embed")
-        x = self.embed.dequantize_rows(np.asarray(ids, np.int64))  # [T, E]
+        x = self.embed.dequantize_rows(rows.flat_ids)  # [T, E], every sequence's rows one after another
         if hooks:
             hooks.leave("embed")
-        for i, (block, cache) in enumerate(zip(self.blocks, state.caches, strict=True)):
+        for i, block in enumerate(self.blocks):
             if hooks:
                 hooks.enter(f"layer.{i}")
-            x = block(x, cache, ctx)
+            x = block(x, rows, [st.caches[i] for st in states], ctx)
             if hooks:
                 hooks.leave(f"layer.{i}")
-        state.ids.extend(int(i) for i in ids)
+        for st, seq in zip(states, ids, strict=True):
+            st.ids.extend(int(i) for i in seq)
         if hooks:
             hooks.enter("head")
-        h = rms_norm(x if all_logits else x[-1:], self.norm, self.eps)
+        h = rms_norm(x[rows.head], self.norm, self.eps)
         logits = self.lm_head.matmul(h, ctx.threads)
         if hooks:
             hooks.leave("head")
-        return logits
+        return rows.split_head(logits)

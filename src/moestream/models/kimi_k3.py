@@ -22,9 +22,11 @@ from .base import (
     ExpertSource,
     Glu,
     Linear,
+    Rows,
     SigmoidGroupRouter,
     State,
     TrunkHooks,
+    attend,
     expert_source,
     mix_experts,
     rms_norm,
@@ -265,15 +267,22 @@ class K3Decoder:
         return State([layer.attn.new_cache() for layer in self.layers])
 
     def forward(self, ids: list[int], state: State, ctx: Ctx, all_logits: bool = False) -> np.ndarray:
+        return self.forward_batch([ids], [state], ctx, [all_logits])[0]
+
+    def forward_batch(
+        self, ids: list[list[int]], states: list[State], ctx: Ctx, all_logits: list[bool] | None = None
+    ) -> list[np.ndarray]:
+        """One step over several sequences, each row as it would be alone (base.Rows)."""
+        rows = Rows.of(ids, all_logits)
         eps, hooks = self.eps, self.hooks
         if hooks:
             hooks.enter("embed")
-        h = self.embed.dequantize_rows(np.asarray(ids, np.int64))  # [T, E]
+        h = self.embed.dequantize_rows(rows.flat_ids)  # [T, E]
         if hooks:
             hooks.leave("embed")
         blocks: list[np.ndarray] = []  # completed block sums, each [T, E]
         normed: list[np.ndarray] = []  # their res_normed, scored by every later layer
-        for i, (layer, cache) in enumerate(zip(self.layers, state.caches, strict=True)):
+        for i, layer in enumerate(self.layers):
             if hooks:
                 hooks.enter(f"layer.{i}")
             prefix: np.ndarray | None = h
@@ -284,7 +293,7 @@ class K3Decoder:
                 blocks.append(prefix)
                 normed.append(res_normed(prefix, eps))
                 prefix = None
-            a = layer.attn(rms_norm(h, layer.input_norm, eps), cache, ctx)
+            a = attend(layer.attn, rms_norm(h, layer.input_norm, eps), rows, [st.caches[i] for st in states], ctx)
             prefix = a if prefix is None else prefix + a
             h = attn_res([*blocks, prefix], layer.f_mlp, eps, normed)
             m = layer.ffn(rms_norm(h, layer.post_norm, eps), ctx)
@@ -293,13 +302,13 @@ class K3Decoder:
                 hooks.leave(f"layer.{i}")
         if hooks:
             hooks.enter("head")
+        for st, seq in zip(states, ids, strict=True):
+            st.ids.extend(int(i) for i in seq)
         h = attn_res([*blocks, h], self.f_out, eps, normed)
-        state.ids.extend(int(i) for i in ids)
-        hn = rms_norm(h if all_logits else h[-1:], self.norm, eps)
-        logits = self.lm_head.matmul(hn, ctx.threads)
+        logits = self.lm_head.matmul(rms_norm(h[rows.head], self.norm, eps), ctx.threads)
         if hooks:
             hooks.leave("head")
-        return logits
+        return rows.split_head(logits)
 
 
 def a_log_first_heads(t: Tensors, name: str, heads: int, stored: int) -> np.ndarray:

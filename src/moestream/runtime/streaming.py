@@ -400,22 +400,24 @@ def derived_bytes(decoder: Any) -> int:
     return sum(sizes) + max(sizes, default=0)
 
 
-def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_tokens: int) -> Plan:
-    """The plan of `budget` for a context of `context` tokens (the longest prompt chunk: prompt_tokens);
-    InputError when it cannot fit."""
+def plan_budget(model: Any, lay: Layout, budget: int, context: int, prompt_tokens: int, sequences: int = 1) -> Plan:
+    """The plan of `budget` for `sequences` concurrent sequences (the server's batch) of up to `context`
+    tokens each (the longest prompt chunk: prompt_tokens); InputError when it cannot fit."""
     decoder = model.decoder
     sizes = {g: sum(b - a for _, a, b in spans) for g, spans in lay.groups.items()}
     state = model.new_state()
-    kv = sum(cache_bytes(c, context) for c in state.caches)
+    kv = sequences * sum(cache_bytes(c, context) for c in state.caches)
     E = int(decoder.embed.cols)
     V = int(model.vocab_size)
     inter = max((t.expert.gate.rows for t in lay.templates.values()), default=E)
     from ..generate import PREFILL_CHUNK
 
-    T = max(1, min(prompt_tokens, PREFILL_CHUNK))  # the largest batch a forward pass sees
+    P = max(1, min(prompt_tokens, PREFILL_CHUNK))  # the longest prompt chunk
+    T = P + sequences - 1  # the most rows a forward pass sees: a chunk beside the others' decoding tokens
     heads = int(getattr(model.spec, "num_attention_heads", 0) or 32)
-    S = max(T, context)
-    scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * heads * T * S * 4  # + scores [H, T, S]
+    S = max(P, context)
+    # + the scores [H, P, S] of one sequence's attention at a time
+    scratch = SCRATCH_BASE + T * (64 * E + 8 * inter + 2 * V) * 4 + 2 * heads * P * S * 4
     chunks = {"head": lay.head_chunk_bytes} if lay.head_chunk_bytes else None
     derived = derived_bytes(decoder)
     plan = make_plan(
@@ -433,11 +435,12 @@ def attach(
     prompt_tokens: int,
     policy: str = DEFAULT_POLICY,
     prefetch: bool = True,
+    sequences: int = 1,
 ) -> Streaming:
     """Plans the budget for a context of `context` tokens (the longest prompt chunk: prompt_tokens) and
     switches the model's experts and trunk to streaming. Refuses (InputError) a budget that cannot fit."""
     lay = layout(model, store)
-    plan = plan_budget(model, lay, budget, context, prompt_tokens)
+    plan = plan_budget(model, lay, budget, context, prompt_tokens, sequences)
     reader = BlobReader(lay.expert_files)
     if not reader.direct:
         plan.notes.append("O_DIRECT refused by the file system: buffered reads (the page cache is used)")
