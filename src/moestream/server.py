@@ -240,7 +240,7 @@ class Job:
     # set when nobody wants the events any more: the client left, or the server is stopping
     cancelled: threading.Event = field(default_factory=threading.Event)
     logprobs: int | None = None  # the chosen tokens' logprobs with the top k alternatives
-    echo: bool = False  # the prompt scored first (completions' echo), with `logprobs` alternatives
+    echo: str | None = None  # the prompt's text, to be sent scored first (completions' echo)
     constraint: LogitsConstraint | None = None
 
     def emit(self, event: Event) -> None:
@@ -259,6 +259,7 @@ class _Active:
     text: TextTail
     stats: GenerationStats
     unsent: list[TokenLogprobs] = field(default_factory=list)  # logprobs of tokens whose text is held back
+    echoed: bool = False
 
 
 class Engine:
@@ -353,7 +354,13 @@ class Engine:
             except InputError as e:
                 raise ApiError(400, str(e), "prompt") from None
         job = self._job(ids, req.max_tokens, sampling, DEFAULT_MAX_TOKENS, "prompt")
-        job.logprobs, job.echo = req.logprobs, req.echo
+        job.logprobs = req.logprobs
+        if req.echo:  # the prompt as the client sent it (a BOS the tokenizer adds is in the logprobs' tokens)
+            job.echo = (
+                self.model.detokenize(ids)
+                if isinstance(p, list) and isinstance(p[0], int)
+                else str(p[0] if isinstance(p, list) else p)
+            )
         return job
 
     def chat_job(self, req: ChatRequest) -> Job:
@@ -465,7 +472,7 @@ class Engine:
             model.new_state(),
             frozenset(model.eos_ids),
             logprobs=job.logprobs,
-            prompt_logprobs=(job.logprobs or 0) if job.echo else None,
+            prompt_logprobs=(job.logprobs or 0) if job.echo is not None else None,
             constraint=job.constraint,
             stats=stats,
         )
@@ -475,9 +482,9 @@ class Engine:
     def _advance(self, a: _Active) -> None:
         """After a step the job took part in: sends what it completed; ends it when it is done."""
         seq, job = a.seq, a.job
-        if seq.prompt_scores and job.echo:  # the prompt was just scored: it comes first
-            job.emit(Piece(self.model.detokenize(job.prompt), seq.prompt_scores, prompt=True))
-            seq.prompt_scores = []
+        if job.echo is not None and not seq.prefilling and not a.echoed:  # the prompt, scored, comes first
+            job.emit(Piece(job.echo, seq.prompt_scores if job.logprobs is not None else [], prompt=True))
+            a.echoed = True
         if seq.token is not None:
             if seq.token_logprobs is not None and seq.token not in a.text.eos:
                 a.unsent.append(seq.token_logprobs)
