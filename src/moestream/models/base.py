@@ -343,12 +343,23 @@ class GQAttention:
         return KVCache(z, z.copy())
 
     def __call__(self, x: np.ndarray, cache: KVCache, ctx: Ctx) -> np.ndarray:
-        T = x.shape[0]
+        return self.output(self.mix(self.project(x, ctx), cache, ctx), x, ctx)
+
+    def project(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, ...]:
+        """q [T, H*D], k and v [T, KV*D]: row by row, so one call serves every sequence of a step."""
+        return tuple(linears(x, (self.q, self.k, self.v), ctx))
+
+    def output(self, o: np.ndarray, x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        return self.o(o, ctx)  # [T, E]
+
+    def mix(self, qkv: tuple[np.ndarray, ...], cache: KVCache, ctx: Ctx) -> np.ndarray:
+        """One sequence's rows of project's arrays, with its cache -> [T, H*D]."""
+        q, k, v = qkv
+        T = q.shape[0]
         pos0 = cache.length
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        q, k, v = linears(x, (self.q, self.k, self.v), ctx)
         if T == 1:
-            return self.o(self._decode(q, k, v, cache, ctx), ctx)
+            return self._decode(q, k, v, cache, ctx)
         q = q.reshape(T, H, D)  # [T, H, D]
         k = k.reshape(T, KV, D)  # [T, KV, D]
         v = v.reshape(T, KV, D)  # [T, KV, D]
@@ -385,7 +396,7 @@ class GQAttention:
                     np.divide(matmul_f32(scores, values[g, s0:s1], out=o[g, rows]), total, out=o[g, rows])
 
         over_heads(heads, KV, ctx.threads)
-        return self.o(o.reshape(KV, T, rep, D).transpose(1, 0, 2, 3).reshape(T, H * D), ctx)  # [T, H*D]
+        return np.ascontiguousarray(o.reshape(KV, T, rep, D).transpose(1, 0, 2, 3).reshape(T, H * D))  # [T, H*D]
 
     def _decode(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, ctx: Ctx) -> np.ndarray:
         """One token (q [1, H*D], k and v [1, KV*D]) -> attention output [1, H*D]: the norms, the rope, the
@@ -509,12 +520,25 @@ class MLAttention:
         return self._absorbed
 
     def __call__(self, x: np.ndarray, cache: LatentCache, ctx: Ctx) -> np.ndarray:
-        T = x.shape[0]
+        return self.output(self.mix(self.project(x, ctx), cache, ctx), x, ctx)
+
+    def project(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, ...]:
+        """q [T, H*(nope+rope)] and the compressed kv [T, rank+rope]: row by row (see GQAttention)."""
+        return self._query(x, ctx), self.kv_a_proj(x, ctx)
+
+    def output(self, o: np.ndarray, x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        if self.out_gate is not None:
+            o = o * sigmoid(self.out_gate(x, ctx))
+        return self.o_proj(o.astype(np.float32), ctx)  # [T, E]
+
+    def mix(self, projected: tuple[np.ndarray, ...], cache: LatentCache, ctx: Ctx) -> np.ndarray:
+        """One sequence's rows of project's arrays, with its cache -> [T, H*v]."""
+        q, ckv = projected
+        T = q.shape[0]
         pos0 = cache.length
         H, N, R, V = self.heads, self.nope, self.rope_dim, self.v_dim
-        q = self._query(x, ctx).reshape(T, H, N + R)  # [T, H, nope+rope]
+        q = q.reshape(T, H, N + R)  # [T, H, nope+rope]
         q_nope, q_rot = q[..., :N], q[..., N:]
-        ckv = self.kv_a_proj(x, ctx)  # [T, rank + rope]
         c = rms_norm(ckv[:, : self.rank], self.kv_a_norm, self.norm_eps)  # [T, rank]
         k_rot = ckv[:, None, self.rank :]  # [T, 1, rope]: one rotary key shared by all heads
         if self.rope is not None:
@@ -557,9 +581,7 @@ class MLAttention:
 
             over_heads(heads, H, ctx.threads)
             o = o_h.transpose(1, 0, 2).reshape(T, H * V)  # [T, H*v]
-        if self.out_gate is not None:
-            o = o * sigmoid(self.out_gate(x, ctx))
-        return self.o_proj(o.astype(np.float32), ctx)
+        return o
 
 
 # ---- feed-forward ---------------------------------------------------------------------------------
@@ -928,10 +950,28 @@ class Rows:
         return [logits[s] for s in self.head_spans]
 
 
+class SplitAttention(Protocol):
+    """An attention whose products are row by row (project, output) around a per-sequence core (mix), so
+    that a step's sequences share one read of the projection weights."""
+
+    def project(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, ...]: ...
+
+    def mix(self, projected: tuple[np.ndarray, ...], cache: Any, ctx: Ctx) -> np.ndarray: ...
+
+    def output(self, o: np.ndarray, x: np.ndarray, ctx: Ctx) -> np.ndarray: ...
+
+
 def attend(attn: Attention, x: np.ndarray, rows: Rows, caches: list[Any], ctx: Ctx) -> np.ndarray:
     """attn over each sequence's rows of x [T, E] with that sequence's cache, as if each came alone."""
     if len(caches) == 1:
         return attn(x, caches[0], ctx)
+    if isinstance(attn, GQAttention | MLAttention):
+        split: SplitAttention = attn
+        projected = split.project(x, ctx)
+        mixed = [
+            split.mix(tuple(a[span] for a in projected), c, ctx) for span, c in zip(rows.spans, caches, strict=True)
+        ]
+        return split.output(np.concatenate(mixed), x, ctx)
     return np.concatenate([attn(x[span], cache, ctx) for span, cache in zip(rows.spans, caches, strict=True)])
 
 
