@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -965,8 +965,8 @@ def attend(attn: Attention, x: np.ndarray, rows: Rows, caches: list[Any], ctx: C
     """attn over each sequence's rows of x [T, E] with that sequence's cache, as if each came alone."""
     if len(caches) == 1:
         return attn(x, caches[0], ctx)
-    if isinstance(attn, GQAttention | MLAttention):
-        split: SplitAttention = attn
+    if hasattr(attn, "mix"):
+        split = cast(SplitAttention, attn)
         projected = split.project(x, ctx)
         mixed = [
             split.mix(tuple(a[span] for a in projected), c, ctx) for span, c in zip(rows.spans, caches, strict=True)

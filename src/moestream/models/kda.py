@@ -120,18 +120,32 @@ class KDAttention:
         return (np.float32(self.lb) * sigmoid(a * z)).astype(np.float32)
 
     def __call__(self, x: np.ndarray, cache: KDAState, ctx: Ctx) -> np.ndarray:
-        state = cache
-        T, H, D = x.shape[0], self.heads, self.head_dim
-        P = H * D
+        return self.output(self.mix(self.project(x, ctx), cache, ctx), x, ctx)
+
+    def project(self, x: np.ndarray, ctx: Ctx) -> tuple[np.ndarray, ...]:
+        """Row by row (one call for every sequence of a step): q, k, v before the convolution [T, P] each,
+        the decay alpha [T, H, D] and beta [T, H]."""
         # the five products of x in one pass of the kernels (x prepared once)
         qx, kx, vx, fa, bx = linears(x, (self.q, self.k, self.v, self.f_a, self.b), ctx)
+        alpha = np.exp(self.decay(x, ctx, fa))  # [T, H, D]
+        beta = sigmoid(bx)  # [T, H]
+        return qx, kx, vx, alpha, beta
+
+    def mix(self, projected: tuple[np.ndarray, ...], cache: KDAState, ctx: Ctx) -> np.ndarray:
+        """One sequence's rows of project's arrays, with its state -> [T, P]."""
+        qx, kx, vx, alpha, beta = projected
+        state = cache
+        T, H, D = qx.shape[0], self.heads, self.head_dim
+        P = H * D
         qkv = self._conv(np.concatenate([qx, kx, vx], axis=1), state)  # [T, 3P]
         q = l2norm(qkv[:, :P].reshape(T, H, D)) * np.float32(D**-0.5)
         k = l2norm(qkv[:, P : 2 * P].reshape(T, H, D))
         v = qkv[:, 2 * P :].reshape(T, H, D)
-        alpha = np.exp(self.decay(x, ctx, fa))  # [T, H, D]
-        beta = sigmoid(bx)  # [T, H]
         o = delta_rule(state, q, k, v, alpha, beta, ctx.threads)  # [T, H, D]
         state.length += T
-        o = rms_norm(o, self.o_norm, self.eps) * sigmoid(self.gate(x, ctx).reshape(T, H, D))
-        return self.o(o.reshape(T, P).astype(np.float32), ctx)
+        return o.reshape(T, P)
+
+    def output(self, o: np.ndarray, x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        T, H, D = x.shape[0], self.heads, self.head_dim
+        o = rms_norm(o.reshape(T, H, D), self.o_norm, self.eps) * sigmoid(self.gate(x, ctx).reshape(T, H, D))
+        return self.o(o.reshape(T, H * D).astype(np.float32), ctx)
