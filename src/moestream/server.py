@@ -4,8 +4,9 @@
 `usage` counts; /health, with the number of jobs queued and running. /metrics, /tokenize, /detokenize, the
 API key, CORS and the access log are server_ops.py's.
 
-The engine never waits on a client. One engine thread owns the model and runs jobs in arrival order;
-each job sends its events (text pieces, then the end or an error) to its request's asyncio queue with
+The engine never waits on a client. One engine thread owns the model and runs up to --max-batch jobs
+together, one forward pass a step (batch.py), the others waiting in arrival order; each job sends its
+events (text pieces with their logprobs, then the end or an error) to its request's asyncio queue with
 loop.call_soon_threadsafe. The HTTP side is async throughout, so a waiting request holds no thread and
 no lock, and /health answers at all times. A client that goes away (closes its stream, or drops a
 non-streaming request) cancels its job: the engine checks between text pieces and drops it, and skips
