@@ -5,6 +5,7 @@ tokens; echo scores the prompt as one pass over it does."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ import moestream.server as server_module
 from moestream.batch import log_softmax
 from moestream.server import Engine, make_server
 from test_cli import cli
-from test_server import free_port, http
+from test_server import free_port, http, start_serve
 
 NAME = "demo"
 
@@ -181,3 +182,20 @@ def test_chat_logprobs_with_top_alternatives(served):
     assert plain.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, top_logprobs=2)
+
+
+def test_max_batch_flag_reaches_the_engine_and_a_budget_plans_for_it():
+    proc, url = start_serve("--max-batch", "3")
+    try:
+        assert http("GET", url + "/health").json()["max_batch"] == 3
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    with socket.socket() as taken:  # a port in use: a budget that fits gets as far as binding it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        one = cli("serve", "--ram", "80M", "--ctx", "2048", "--max-batch", "1", "--port", port)
+        many = cli("serve", "--ram", "80M", "--ctx", "2048", "--max-batch", "256", "--port", port)
+    assert many.returncode == 2 and many.stderr.count("\n") == 1 and "KV/state" in many.stderr
+    assert one.returncode == 2 and "cannot listen" in one.stderr

@@ -696,7 +696,13 @@ def create_app(engine: Engine, docs: bool = False) -> Any:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": engine.name, "queued": engine.queued, "running": engine.running}
+        return {
+            "status": "ok",
+            "model": engine.name,
+            "queued": engine.queued,
+            "running": engine.running,
+            "max_batch": engine.max_batch,
+        }
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
