@@ -127,3 +127,15 @@ def test_planner_holds_state_for_every_sequence():
         eight.close()
     with pytest.raises(moestream.errors.InputError, match="sequences"):
         moestream.load("demo", ram="200M", sequences=0)
+
+
+def test_generate_batch_equals_generate_one_by_one():
+    model = moestream.load()
+    prompts = ["def f(x):", "import os", "class A:", "# a comment", "x = [1, 2,"]
+    samplings = [GREEDY, SamplingParams(temperature=0.8, seed=4)] * 2 + [GREEDY]
+    got = model.generate_batch(prompts, 9, sampling=samplings, max_batch=3)
+    want = [list(model.generate(p, 9, sampling=s)) for p, s in zip(prompts, samplings, strict=True)]
+    assert got == want
+    assert model.generate_batch(prompts[:2], 0) == [[], []]
+    with pytest.raises(moestream.errors.InputError, match="sampling settings"):
+        model.generate_batch(prompts, 4, sampling=samplings[:2])

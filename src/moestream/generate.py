@@ -267,6 +267,39 @@ class Model:
                 logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
             stats.decode_seconds += time.perf_counter() - t1
 
+    def generate_batch(
+        self,
+        prompts: list[list[int]] | list[str],
+        max_new_tokens: int = 32,
+        *,
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+        stop_at_eos: bool = True,
+        max_batch: int = 8,
+    ) -> list[list[int]]:
+        """Each prompt's generated ids, as generate gives them for it alone (sampling: one for all, or one per
+        prompt), computed up to max_batch prompts at a time in shared forward passes (batch.py): a routed
+        expert is read once per step for every prompt that chose it."""
+        from .batch import Sequence, step
+
+        if max_batch < 1:
+            raise InputError(f"max_batch must be at least 1, got {max_batch}")
+        ids = [self.tokenize(p) if isinstance(p, str) else self.check_ids(p) for p in prompts]
+        per = sampling if isinstance(sampling, list) else [sampling or GREEDY] * len(ids)
+        if len(per) != len(ids):
+            raise InputError(f"{len(per)} sampling settings for {len(ids)} prompts")
+        eos = frozenset(self.eos_ids) if stop_at_eos else frozenset()
+        seqs = [Sequence(p, max_new_tokens, s, self.new_state(), eos) for p, s in zip(ids, per, strict=True)]
+        if max_new_tokens <= 0:
+            return [[] for _ in seqs]
+        waiting = list(seqs)
+        running: list[Sequence] = []
+        while waiting or running:
+            running = [s for s in running if not s.done]
+            while waiting and len(running) < max_batch:
+                running.append(waiting.pop(0))
+            step(self, running, PREFILL_CHUNK, PREFILL_CHUNK)
+        return [s.generated for s in seqs]
+
     def complete(
         self,
         prompt: list[int] | str,
