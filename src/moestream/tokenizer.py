@@ -472,6 +472,8 @@ class TiktokenTokenizer(Tokenizer):
         except ValueError as e:  # the engine's own regex compiler disagrees with `regex`
             raise CheckpointError(f"{pat_path}: pat_str does not compile ({e})") from None
         self.special_tokens = specials
+        self.ranks = ranks  # token bytes -> id (the same dict tiktoken holds): structured output reads it
+        self.pat_str = pat
         self._special_bytes = {v: k.encode() for k, v in specials.items()}
         self.bos_id = _token_id(cfg, "bos_token", specials)
         eos = _token_id(cfg, "eos_token", specials)
