@@ -263,9 +263,11 @@ def from_response_format(
     if not isinstance(rf, dict):
         raise InputError(f"response_format must be an object, got {type(rf).__name__}")
     kind = rf.get("type")
+    if kind is None:
+        raise InputError(f"response_format needs a type ({', '.join(_TYPES)})")
     if kind not in _TYPES:
-        shown = repr(kind) if isinstance(kind, str) else "missing" if kind is None else type(kind).__name__
-        raise InputError(f"response_format type {shown[:60]} is not supported ({', '.join(_TYPES)} are)")
+        shown = repr(kind)[:60] if isinstance(kind, str) else type(kind).__name__
+        raise InputError(f"response_format type {shown} is not supported ({', '.join(_TYPES)} are)")
     extra = sorted(set(rf) - _KEYS[kind])
     if extra:
         raise InputError(f"response_format field {extra[0][:60]!r} is not supported with type {kind!r}")
