@@ -9,6 +9,7 @@ import re
 import threading
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import numpy as np
@@ -311,10 +312,14 @@ def test_vocabulary_bytes_match_the_tokenizer(model):
             assert lt.decode_bytes([i]) == tok.decode_bytes([i]), i
 
 
-def test_tokenizers_json_vocabulary(tmp_path: Path):
-    """A tokenizer.json vocabulary (byte-level BPE, as `tokenizers` and GGUF files give): the view matches
-    the tokenizer and a schema's answer, in its canonical tokens, is allowed token by token."""
+@pytest.mark.parametrize("source", ["tokenizer.json", "gguf"])
+def test_tokenizers_json_vocabulary(tmp_path: Path, source: str):
+    """A vocabulary of `tokenizers` (byte-level BPE from tokenizer.json, or a GGUF's metadata rebuilt as
+    one, here with Kimi K2's pre-tokenizer): the view matches the tokenizer, ids past the tokenizer's own are
+    never allowed, and a schema's answer, in its canonical tokens, is allowed token by token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from moestream.gguf_tokenizer import CONTROL, NORMAL, GGUFTokenizer
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -326,9 +331,24 @@ def test_tokenizers_json_vocabulary(tmp_path: Path):
             vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
         ),
     )
-    bpe.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    tok = load_tokenizer(tmp_path)
+    if source == "gguf":
+        spec = json.loads(bpe.to_str())["model"]
+        tokens = sorted(spec["vocab"], key=spec["vocab"].get)
+
+        metadata = {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "kimi-k2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [CONTROL if t == "<eos>" else NORMAL for t in tokens],
+            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in spec["merges"]],
+            "tokenizer.ggml.eos_token_id": 0,
+        }
+        store = SimpleNamespace(path=tmp_path / "model.gguf", metadata=metadata)  # what GGUFTokenizer reads
+        tok = GGUFTokenizer(store)
+    else:
+        bpe.save(str(tmp_path / "tokenizer.json"))
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+        tok = load_tokenizer(tmp_path)
     assert tok is not None and tok.eos_ids == (0,)
     n = bpe.get_vocab_size() + 3  # a model's vocabulary may be padded past the tokenizer's
     lt = ll_tokenizer(tok, n, 0)
