@@ -271,6 +271,8 @@ def test_formats_that_are_fine(model):
     for token in tok.encode('{"items": [{"n": 1}, {"n": 22}]}', add_bos=False):
         c.accept(token)
     assert c.finished
+    short = OutputConstraint.json_object(tok, 1900, eos_ids=model.eos_ids)  # a model with fewer ids than its tokenizer
+    assert short.allowed().shape == (1900,)
 
 
 def test_one_vocabulary_per_tokenizer_shared_by_threads(model):

@@ -45,15 +45,25 @@ _vocabularies_lock = threading.Lock()
 
 
 def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos: int) -> Any:
-    """llguidance's LLTokenizer for this tokenizer, vocab_size ids (the model's, which may exceed the
-    tokenizer's own: ids it has no bytes for are never allowed) and end-of-text id; made once per
-    (tokenizer, vocab_size, eos) and shared by every constraint (it is immutable and thread-safe)."""
-    key = (int(vocab_size), int(eos))
+    """llguidance's LLTokenizer for this tokenizer, at least vocab_size ids (the model's, which may exceed the
+    tokenizer's own: ids it has no bytes for are never allowed; or fall short of it: then the view has the
+    tokenizer's size) and end-of-text id; made once per (tokenizer, size, eos) and shared by every
+    constraint (it is immutable and thread-safe)."""
+    key = (max(int(vocab_size), _tokenizer_size(tokenizer)), int(eos))
     with _vocabularies_lock:  # held while building: a second request for the same vocabulary waits for it
         per = _vocabularies.setdefault(tokenizer, {})
         if key not in per:
             per[key] = _build_ll_tokenizer(tokenizer, *key)
         return per[key]
+
+
+def _tokenizer_size(tokenizer: Tokenizer) -> int:
+    """One past the tokenizer's largest id (0 when it cannot tell)."""
+    if isinstance(tokenizer, TiktokenTokenizer):
+        return max([*tokenizer.ranks.values(), *tokenizer.special_tokens.values()]) + 1
+    if isinstance(tokenizer, HFTokenizer):
+        return int(tokenizer.tok.get_vocab_size(with_added_tokens=True))
+    return 0
 
 
 def _build_ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos: int) -> Any:
@@ -188,7 +198,8 @@ class OutputConstraint:
             bits = np.frombuffer(self._matcher.compute_bitmask(), np.uint8)
             if self._matcher.is_error():  # a step limit of the library was hit
                 raise ConstraintError(f"structured output: {_line(self._matcher.get_error())}")
-        # the mask is u32 words, token 32*w + b at bit b of word w: in little-endian bytes, bit order little
+        # the mask is u32 words, token 32*w + b at bit b of word w: in little-endian bytes, bit order little;
+        # ids the tokenizer has beyond the model's vocabulary are cut off (the model cannot give them)
         ok = np.unpackbits(bits, bitorder="little", count=self.vocab_size).view(np.bool_)
         ok[self._eos] = ok[self.eos_ids[0]]  # the library knows one end-of-text id; the model may have more
         return ok
