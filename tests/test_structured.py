@@ -119,6 +119,31 @@ def test_json_schema_validates(model, name, params):
     jsonschema.validate(json.loads(text), SCHEMAS[name])
 
 
+def test_in_the_batch_engine_as_alone(model):
+    """Through batch.Sequence/step (the server's engine), three constrained sequences decoded together give
+    the tokens each gives alone in the loop above, and stop where their constraints finish."""
+    from moestream import batch
+
+    cases = [("nested", GREEDY), ("int_array", SAMPLED), ("enum", SamplingParams(temperature=0.8, seed=11))]
+
+    def constraint(name: str) -> OutputConstraint:
+        return OutputConstraint.json_schema(SCHEMAS[name], model.tokenizer, model.vocab_size, eos_ids=model.eos_ids)
+
+    alone = [decode(model, constraint(name), params) for name, params in cases]
+    prompt = model.tokenize(PROMPT)
+    seqs = [
+        batch.Sequence(prompt, 160, params, model.new_state(), frozenset(model.eos_ids), constraint=constraint(name))
+        for name, params in cases
+    ]
+    while not all(s.done for s in seqs):
+        batch.step(model, seqs, 256, 256)
+    together = [model.detokenize([t for t in s.generated if t not in model.eos_ids]) for s in seqs]
+    assert together == alone
+    for (name, _), text, s in zip(cases, together, seqs, strict=True):
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+        assert s.constraint is not None and s.constraint.finished
+
+
 def test_stops_where_the_object_closes(model):
     """An object is complete at its closing brace: finished then, and not one token earlier (no prefix of
     the answer parses as a whole)."""
