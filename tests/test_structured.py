@@ -296,6 +296,16 @@ def test_formats_that_are_fine(model):
     for token in tok.encode('{"items": [{"n": 1}, {"n": 22}]}', add_bos=False):
         c.accept(token)
     assert c.finished
+    value = {"a": [1, {"b": None, "c": "x y"}], "d": {"e": {"f": [True, 2.5e-3]}}}
+    for text in (json.dumps(value, separators=(",", ":")), json.dumps(value), json.dumps(value, indent=2)):
+        c = OutputConstraint.json_object(tok, n)  # compact, spaced and pretty-printed JSON are all allowed
+        for token in tok.encode(text, add_bos=False):
+            c.accept(token)
+        assert c.finished, text
+    c = OutputConstraint.json_object(tok, n)
+    with pytest.raises(ConstraintError):  # but not unbounded whitespace
+        for token in tok.encode("{" + " " * 40 + "}", add_bos=False):
+            c.accept(token)
     short = OutputConstraint.json_object(tok, 1900, eos_ids=model.eos_ids)  # a model with fewer ids than its tokenizer
     assert short.allowed().shape == (1900,)
 
