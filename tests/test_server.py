@@ -208,14 +208,14 @@ def test_bad_requests_get_4xx_in_openais_shape(server, client):
 
 
 def test_fields_the_server_does_not_act_on_are_400s_naming_them(server, client):
-    """tools, response_format and any other field the server would have to ignore are refused, so that a
-    client never believes it got a tool call or JSON it did not get."""
+    """tools, predicted outputs and any other field the server would have to ignore are refused, so that a
+    client never believes it got what it asked for."""
     chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     for extra, param in [
         ({"tools": [tool]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"made_up_field": 1}, "made_up_field"),
     ]:

@@ -154,6 +154,8 @@ class _Sampling(_Body):
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None  # the end user's id, for the client's own records: nothing to act on
+    # structured output (structured.py): json_object, json_schema, and the regex and grammar extensions
+    response_format: dict[str, Any] | None = None
 
     def sampling(self, generation: GenerationDefaults | None = None) -> SamplingParams:
         """The request's sampling; a field the request leaves out takes the model's generation_config.json
@@ -338,6 +340,21 @@ class Engine:
             raise ApiError(400, str(e), param) from None
         return Job(prompt, n, sampling)
 
+    def _constrain(self, job: Job, req: _Sampling) -> Job:
+        """The job's output constraint from the request's response_format (a 400 naming what is wrong)."""
+        if req.response_format is None:
+            return job
+        from .structured import from_response_format
+
+        model = self.model
+        try:
+            job.constraint = from_response_format(
+                req.response_format, model._need_tokenizer(), model.vocab_size, eos_ids=model.eos_ids
+            )
+        except InputError as e:
+            raise ApiError(400, str(e), "response_format") from None
+        return job
+
     def completion_job(self, req: CompletionRequest) -> Job:
         sampling = self._check_common(req)
         if req.suffix:
@@ -354,7 +371,7 @@ class Engine:
                 ids = self.model.tokenize(str(p[0] if isinstance(p, list) else p))
             except InputError as e:
                 raise ApiError(400, str(e), "prompt") from None
-        job = self._job(ids, req.max_tokens, sampling, DEFAULT_MAX_TOKENS, "prompt")
+        job = self._constrain(self._job(ids, req.max_tokens, sampling, DEFAULT_MAX_TOKENS, "prompt"), req)
         job.logprobs = req.logprobs
         if req.echo:  # the prompt as the client sent it (a BOS the tokenizer adds is in the logprobs' tokens)
             job.echo = (
@@ -383,7 +400,7 @@ class Engine:
         except InputError as e:
             raise ApiError(400, str(e), "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = self._job(ids, max_tokens, sampling, None, "messages")
+        job = self._constrain(self._job(ids, max_tokens, sampling, None, "messages"), req)
         if req.logprobs:
             job.logprobs = req.top_logprobs or 0
         return job
@@ -493,6 +510,8 @@ class Engine:
             if piece:
                 job.emit(Piece(piece, a.unsent))
                 a.unsent = []
+        if seq.done and job.constraint is not None and job.constraint.finished:
+            a.text.finish_reason = "stop"  # the output is whole: the grammar allows nothing more
         if a.text.done or seq.done:
             seq.done = True
             tail = a.text.flush()
