@@ -159,7 +159,7 @@ def start_moestream(model: str, args: argparse.Namespace, ram: str | None, max_b
         cmd += ["--ram", ram]
     if max_batch is not None:
         cmd += ["--max-batch", str(max_batch)]
-    err = open(log, "w")  # noqa: SIM115: the child writes to it until it stops
+    err = open(log, "w")  # the child writes to it until it stops
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     err.close()
     assert proc.stdout is not None
@@ -302,10 +302,11 @@ async def one_request(client: Any, model: str, i: int, max_tokens: int) -> Resul
                         first = time.perf_counter()
                     pieces.append(text)
                     chunks += 1
-    except Exception as e:  # noqa: BLE001: one failed request is a row's note, not the end of the run
+    except Exception as e:  # one failed request is a row's note, not the end of the run
         return Result(i, kind, t0, time.perf_counter(), first, 0, "", f"{type(e).__name__}: {e}"[:200])
     end = time.perf_counter()
-    return Result(i, kind, t0, end, None if first is None else first - t0, usage if usage is not None else chunks, "".join(pieces))
+    ttft = None if first is None else first - t0
+    return Result(i, kind, t0, end, ttft, usage if usage is not None else chunks, "".join(pieces))
 
 
 async def drive(url: str, model: str, clients: int, requests: int, max_tokens: int) -> list[Result]:
@@ -368,13 +369,14 @@ def run_load(server: Server, clients: int, args: argparse.Namespace) -> tuple[di
     results = asyncio.run(drive(server.url, server.model, clients, args.requests, args.max_tokens))
     row = summarize(results)
     after = metrics(server.url)
-    requests = after.get("moestream_expert_cache_requests_total", 0.0) - before.get(
-        "moestream_expert_cache_requests_total", 0.0
-    )
+
+    def delta(name: str) -> float:
+        return after.get(f"moestream_{name}_total", 0.0) - before.get(f"moestream_{name}_total", 0.0)
+
+    requests = delta("expert_cache_requests")
     if requests and row.get("tokens"):
-        hits = after.get("moestream_expert_cache_hits_total", 0.0) - before.get("moestream_expert_cache_hits_total", 0.0)
-        read = after.get("moestream_read_bytes_total", 0.0) - before.get("moestream_read_bytes_total", 0.0)
-        row["hit_rate"] = hits / requests
+        read = delta("read_bytes")
+        row["hit_rate"] = delta("expert_cache_hits") / requests
         # prefill reads included: the expert traffic of the whole run over the tokens it generated
         row["read_per_token"] = read / row["tokens"]
     return row, results
@@ -425,8 +427,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="what moestream serves (default: gguf_source.py's GGUF)")
     ap.add_argument("--gguf", type=Path, default=None, help="what llama-server serves (default: --model if a GGUF)")
-    ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (default: under "
-                    f"{LLAMA_BUILD}, else on PATH)")
+    ap.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        help=f"llama-server binary (default: under {LLAMA_BUILD}, else on PATH)",
+    )
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp source tree, to make the default GGUF")
     ap.add_argument("--layers", type=int, default=8, help="layers of the default model")
     ap.add_argument("--threads", type=int, default=2)
@@ -565,15 +571,19 @@ def report(
     plan: list[Mode], concurrencies: list[int], args: argparse.Namespace, batching: bool, seconds: float, binary: Any
 ) -> None:
     rows: list[list[object]] = []
+    notes: list[str] = []  # why a row is missing: below the table, so that the columns stay narrow
     for mode in plan:
         if mode.error:
-            rows.append([mode.label, "", f"left out: {mode.error}", "", "", "", "", "", ""])
+            notes.append(f"{mode.label}: left out: {mode.error}")
             continue
         for c in concurrencies:
             r = mode.rows.get(c, {"error": "not run"})
             if "error" in r:
-                rows.append([mode.label, c, f"failed: {r['error']}", "", "", "", "", "", ""])
+                rows.append([mode.label, c, "failed", "", "", "", "", "", ""])
+                notes.append(f"{mode.label}, {c} clients: {r['error']}")
                 continue
+            if r.get("failed"):
+                notes.append(f"{mode.label}, {c} clients: {r['failed']} requests failed, the first: {r['first_error']}")
             gb = r.get("read_per_token")
             rows.append(
                 [
@@ -590,6 +600,8 @@ def report(
             )
     headers = ["server", "clients", "tok/s", "p50 latency s", "p95 latency s", "p50 TTFT s", "tokens/req"]
     print(table([*headers, "MB read/token", "hit rate"], rows))
+    for note in notes:
+        print(f"  {note}")
 
     by = {m.name: m for m in plan if not m.error}
     ratios: list[list[object]] = []
