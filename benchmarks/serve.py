@@ -236,11 +236,12 @@ model = moestream.load(source, threads=1, preload=False, progress=False)
 lay = layout(model, model.store)
 n = len(lay.templates)
 want = max(lay.top_k + 1, -(-n // 4))
+kw = {"sequences": sequences} if sequences > 1 else {}  # a moestream before batching plans for one
 # with room for every expert the whole trunk is pinned and nothing streams: the fixed part of the budget
-big = plan_budget(model, lay, 1 << 50, ctx, ctx, sequences)
+big = plan_budget(model, lay, 1 << 50, ctx, ctx, **kw)
 fixed = big.kv_bytes + big.scratch_bytes + big.derived_bytes + big.pinned_bytes + big.stream_bytes
 budget = fixed + want * lay.slot_bytes
-plan = plan_budget(model, lay, budget, ctx, ctx, sequences)
+plan = plan_budget(model, lay, budget, ctx, ctx, **kw)
 print(json.dumps({"budget": budget, "slots": plan.expert_slots, "experts": n, "want": want,
                   "describe": plan.describe()}))
 """
