@@ -451,14 +451,14 @@ def main() -> None:
     try:
         concurrencies = [int(c) for c in args.clients.split(",") if c.strip()]
     except ValueError:
-        raise SystemExit(f"--clients: give numbers like 1,4,8,16, not {args.clients!r}") from None
+        ap.error(f"--clients: give numbers like 1,4,8,16, not {args.clients!r}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not concurrencies or min(concurrencies) < 1 or args.requests < 1 or args.max_tokens < 1 or args.max_batch < 1:
-        raise SystemExit("--clients, --requests, --max-tokens and --max-batch must be positive")
+        ap.error("--clients, --requests, --max-tokens and --max-batch must be positive")
     if unknown := [m for m in modes if m not in MODES]:
-        raise SystemExit(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
+        ap.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
     if args.json is not None and not args.json.parent.is_dir():
-        raise SystemExit(f"--json: directory {args.json.parent} does not exist")
+        ap.error(f"--json: directory {args.json.parent} does not exist")
 
     t_start = time.monotonic()
     if args.model is None:
