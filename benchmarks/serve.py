@@ -61,6 +61,7 @@ from common import commit, machine, table
 LLAMA_BUILD = Path("/work/llama-build")
 STARTUP_SECONDS = 900.0  # a model loaded from a cold disk, or a GGUF dequantized at load, takes minutes
 REQUEST_TIMEOUT = 1800.0
+WARM_UP_PROMPT = 10**6  # the warm-up request's prompt index: beyond any measured request's
 MODES = ("resident", "ram", "batch1", "batch1-ram", "llama")
 
 # ---- prompts ----------------------------------------------------------------------------------------------
@@ -310,15 +311,15 @@ async def one_request(client: Any, model: str, i: int, max_tokens: int) -> Resul
     return Result(i, kind, t0, end, ttft, usage if usage is not None else chunks, "".join(pieces))
 
 
-async def drive(url: str, model: str, clients: int, requests: int, max_tokens: int) -> list[Result]:
+async def drive(url: str, model: str, clients: int, requests: int, max_tokens: int, first: int) -> list[Result]:
     """clients concurrent clients, each sending `requests` requests back to back; client c's r-th request
-    uses prompt c * requests + r."""
+    uses prompt first + c * requests + r."""
     from openai import AsyncOpenAI
 
     async def client_loop(c: int) -> list[Result]:
         client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT)
         try:
-            return [await one_request(client, model, c * requests + r, max_tokens) for r in range(requests)]
+            return [await one_request(client, model, first + c * requests + r, max_tokens) for r in range(requests)]
         finally:
             await client.close()
 
@@ -366,8 +367,12 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def run_load(server: Server, clients: int, args: argparse.Namespace) -> tuple[dict[str, Any], list[Result]]:
+    """The load of `clients` clients. Their prompts are new to the server at every concurrency (a server
+    that caches prompt prefixes, as llama-server does, would otherwise skip a repeated prompt's prefill)
+    and the same at that concurrency in every mode."""
+    first = args.requests * sum(c for c in args.concurrencies if c < clients)
     before = metrics(server.url)
-    results = asyncio.run(drive(server.url, server.model, clients, args.requests, args.max_tokens))
+    results = asyncio.run(drive(server.url, server.model, clients, args.requests, args.max_tokens, first))
     row = summarize(results)
     after = metrics(server.url)
 
@@ -384,8 +389,9 @@ def run_load(server: Server, clients: int, args: argparse.Namespace) -> tuple[di
 
 
 def warm_up(server: Server) -> None:
-    """One short request before measuring: the weights' pages mapped, the caches warm."""
-    asyncio.run(drive(server.url, server.model, 1, 1, 4))
+    """One short request before measuring: the weights' pages mapped, the caches warm (a prompt no
+    measured request uses)."""
+    asyncio.run(drive(server.url, server.model, 1, 1, 4, WARM_UP_PROMPT))
 
 
 # ---- models -----------------------------------------------------------------------------------------------
@@ -449,9 +455,10 @@ def main() -> None:
         ap.set_defaults(model="demo", clients="1,2", requests=2, max_tokens=8, max_batch=2)
     args = ap.parse_args()
     try:
-        concurrencies = [int(c) for c in args.clients.split(",") if c.strip()]
+        concurrencies = list(dict.fromkeys(int(c) for c in args.clients.split(",") if c.strip()))
     except ValueError:
         ap.error(f"--clients: give numbers like 1,4,8,16, not {args.clients!r}")
+    args.concurrencies = concurrencies
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not concurrencies or min(concurrencies) < 1 or args.requests < 1 or args.max_tokens < 1 or args.max_batch < 1:
         ap.error("--clients, --requests, --max-tokens and --max-batch must be positive")
