@@ -216,6 +216,15 @@ def start_llama(binary: Path, gguf: Path, args: argparse.Namespace, parallel: in
         raise
 
 
+def llama_version(binary: Path | None) -> str:
+    """The binary and the version line it prints (llama.cpp's build and commit)."""
+    if binary is None:
+        return "none"
+    p = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+    line = next((x for x in (p.stdout + p.stderr).splitlines() if x.startswith("version")), "version unknown")
+    return f"{binary} ({line})"
+
+
 def find_llama_server(given: Path | None) -> Path | None:
     if given is not None:
         return given if given.is_file() and os.access(given, os.X_OK) else None
@@ -372,8 +381,13 @@ def run_load(server: Server, clients: int, args: argparse.Namespace) -> tuple[di
     and the same at that concurrency in every mode."""
     first = args.requests * sum(c for c in args.concurrencies if c < clients)
     before = metrics(server.url)
+    cpu = time.process_time()
     results = asyncio.run(drive(server.url, server.model, clients, args.requests, args.max_tokens, first))
+    cpu = time.process_time() - cpu
     row = summarize(results)
+    if row.get("wall_s"):
+        # the clients run on the same cores as the server: what they took is what the server could not use
+        row["client_cpu"] = cpu / row["wall_s"]
     after = metrics(server.url)
 
     def delta(name: str) -> float:
@@ -589,7 +603,7 @@ def report(
         for c in concurrencies:
             r = mode.rows.get(c, {"error": "not run"})
             if "error" in r:
-                rows.append([mode.label, c, "failed", "", "", "", "", "", ""])
+                rows.append([mode.label, c, "failed", "", "", "", "", "", "", ""])
                 notes.append(f"{mode.label}, {c} clients: {r['error']}")
                 continue
             if r.get("failed"):
@@ -606,10 +620,11 @@ def report(
                     f"{r['tokens_per_request']:.1f}" + (f" ({r['failed']} failed)" if r["failed"] else ""),
                     "" if gb is None else f"{gb / 1e6:.1f}",
                     "" if "hit_rate" not in r else f"{r['hit_rate']:.2f}",
+                    f"{100 * r.get('client_cpu', 0):.0f}%",
                 ]
             )
     headers = ["server", "clients", "tok/s", "p50 latency s", "p95 latency s", "p50 TTFT s", "tokens/req"]
-    print(table([*headers, "MB read/token", "hit rate"], rows))
+    print(table([*headers, "MB read/token", "hit rate", "client CPU"], rows))
     for note in notes:
         print(f"  {note}")
 
@@ -649,9 +664,10 @@ def report(
         print("peak RSS (VmHWM) of the server: " + "; ".join(rss))
     print(
         "tok/s: generated tokens of all clients over the run's wall time; latency: request sent to end of stream; "
-        "TTFT: to the first chunk with text; MB read/token: expert bytes read (prefill included) per generated token"
+        "TTFT: to the first chunk with text; MB read/token: expert bytes read (prefill included) per generated token; "
+        "client CPU: this process's CPU time (the openai clients) over the wall time, taken from the same cores"
     )
-    print(f"machine: {machine()}\ncommit: {commit()}; llama-server: {binary or 'none'}")
+    print(f"machine: {machine()}\ncommit: {commit()}; llama-server: {llama_version(binary)}")
     print(f"took {seconds / 60:.1f} min")
     if args.json is not None:
         out = {
@@ -659,7 +675,7 @@ def report(
             "commit": commit(),
             "args": {k: str(v) for k, v in vars(args).items()},
             "max_batch_supported": batching,
-            "llama_server": str(binary) if binary else None,
+            "llama_server": llama_version(binary) if binary else None,
             "modes": [
                 {
                     "name": m.name,
