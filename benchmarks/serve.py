@@ -1,36 +1,57 @@
 """`moestream serve` under concurrent clients (issue 44): aggregate generated tokens/s, p50/p95 request
-latency and p50 time to first token at 1, 4, 8 and 16 concurrent clients, for the server resident, under a
---ram budget whose expert cache holds a quarter of the experts, and with --max-batch 1 (one request at a
-time, the behaviour before continuous batching), beside llama.cpp's llama-server with --parallel C
---cont-batching on the same GGUF and threads.
+latency and p50 time to first token at 1, 4, 8 and 16 concurrent clients, in five modes (--modes):
+
+    resident     moestream serve MODEL --max-batch 8 (continuous batching; --max-batch sets it)
+    ram          the same under --ram sized so that its expert cache holds a quarter of the routed experts
+    batch1       moestream serve MODEL --max-batch 1: one request at a time, the behaviour before batching
+    batch1-ram   --max-batch 1 under --ram holding a quarter of the experts
+    llama        llama.cpp's llama-server --parallel C --cont-batching on the same GGUF, the same threads
 
     python3 benchmarks/serve.py [--model PATH] [--llama-server PATH] [--threads 2] [--clients 1,4,8,16] \\
-        [--requests 4] [--max-tokens 32] [--max-batch 8] [--modes resident,ram,batch1,batch1-ram,llama] \\
-        [--json FILE]
-    python3 benchmarks/serve.py --quick          # smoke run: the demo model, 1 and 2 clients, 8 tokens
+        [--requests 4] [--max-tokens 32] [--max-batch 8] [--ctx 512] [--modes resident,ram,...] [--json FILE]
+    python3 benchmarks/serve.py --quick      # smoke run: the demo model, 1 and 2 clients, 2 requests, 8 tokens
 
 The default model is gguf_source.py's: decode.py's synthetic Qwen3-30B-A3B-width qwen3_moe at 8 layers as
-llama.cpp's Q4_K_M GGUF (made once under /tmp/moestream-bench by gguf_source.ensure_models, which needs
-llama-cpp-python and the llama.cpp tree of its sdist, --llama-cpp); moestream serves that GGUF itself, so
-both servers read the same file. llama-server is built from the same sdist (CMake, target llama-server,
--DGGML_NATIVE=ON) outside the repo, e.g. into /work/llama-build/build/bin; it runs with --no-repack, as
-llama.cpp is run elsewhere in these benchmarks (its repacked Q4_K layout died of SIGSEGV on a CPU with
-AMX, and is no faster here: NOTES.md), with --parallel C slots of --ctx tokens each. Without llama-server
-(or for a model llama.cpp cannot read, such as the demo) its rows are left out with a note.
+llama.cpp's Q4_K_M GGUF, made once under /tmp/moestream-bench by gguf_source.ensure_models (it needs
+llama-cpp-python and the llama.cpp tree of its sdist, --llama-cpp; default: the tree unpacked under
+/work/llama-build/src); moestream serves that GGUF itself, so both servers read the same file. When
+`moestream serve --help` has no --max-batch (before continuous batching), the batch1 modes are left out
+and the others run one request at a time.
+
+The --ram budget is planned as the server plans it (runtime.streaming.plan_budget for --ctx tokens and
+--max-batch sequences): the whole trunk pinned, KV for every sequence, scratch, and a quarter of the
+experts as cache slots; so the batched and the one-at-a-time rows get different --ram (KV for 8 sequences
+or for 1) and the same expert cache. The header prints each budget.
+
+llama-server, built from llama-cpp-python's sdist outside the repo (nothing else needs it):
+
+    tar xzf llama_cpp_python-0.3.36.tar.gz -C /work/llama-build/src     # pip download --no-binary :all:
+    cmake -S /work/llama-build/src/llama_cpp_python-0.3.36/vendor/llama.cpp -B /work/llama-build/build -G Ninja \\
+        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF
+    nice -n 19 cmake --build /work/llama-build/build --target llama-server -j2     # 10 min, 2 cores
+
+found there (build/bin) or on PATH, or given as --llama-server; without it, or for a model llama.cpp cannot
+read (the demo), its rows are left out with a note. It runs with --no-repack (weights left in the mmap) as
+llama.cpp runs in gguf_source.py: its default repacked Q4_K layout died of SIGSEGV on a CPU with AMX, as this
+one has (on Ice Lake it decoded ~10% faster and prefilled ~30% slower: NOTES.md); --llama-repack runs the
+default instead. It gets --parallel C slots of --ctx tokens each (--ctx-size C x --ctx), and is started anew for
+each C (its slots are fixed at start); its prompt cache stays on, as a user would run it.
 
 Load: for each concurrency C, C clients (each its own openai.AsyncOpenAI) send --requests requests each,
-back to back: fixed distinct prompts, alternately chat completions and completions, greedy (temperature
-0), max_tokens fixed, all streamed (stream_options include_usage: the usage chunk gives the tokens). A
-request's latency runs from sending it to the end of its stream; its time to first token (TTFT) to the
-first chunk carrying text. Aggregate tokens/s is every generated token of the C run over the run's wall
-time. Each server gets one short request first (not measured) so that its weights are mapped and warm.
-The moestream servers are started once per mode (every C goes to the same server, as clients would);
-llama-server once per C (its slots are fixed at start). The same prompt at the same C gets the same greedy
-answer from every moestream mode (batching does not change outputs): the check is printed.
+back to back: fixed distinct prompts (new to the server at each C, the same at that C in every mode),
+alternately chat completions and completions, greedy (temperature 0), max_tokens fixed, all streamed
+(stream_options include_usage: the usage chunk counts the tokens). A request's latency runs from sending
+it to the end of its stream, its time to first token (TTFT) to the first chunk carrying text. Aggregate
+tokens/s is every generated token of the C run over the run's wall time. A moestream server is started
+once per mode and serves every C. Each server first answers one short request, not measured, so that its
+weights are mapped and warm. The same prompt gets the same greedy answer in every moestream mode (batching
+does not change outputs): the check is printed. The clients run on the machine's cores too: their CPU share
+is a column.
 
-A full run (5 modes, 4 concurrencies, 4 requests a client, 32 tokens, 2 threads) takes roughly 20-30
-minutes on the 2-core machine, most of it in the --ram and --max-batch 1 rows; run it alone (neighbours
-slow every row: NOTES.md).
+A full run (5 modes, 4 concurrencies, 4 requests a client, 32 tokens, 2 threads) should take 20-30
+minutes on a 2-core machine (an estimate from the decode speeds in NOTES.md: most of it is the --ram and
+--max-batch 1 rows), plus about 30 minutes the first time to make the model; run it alone (neighbours slow
+every row several-fold: NOTES.md).
 """
 
 from __future__ import annotations
@@ -117,6 +138,16 @@ def _tail(server_log: Path, lines: list[str]) -> str:
     return last[-300:]
 
 
+def _exit_text(code: int) -> str:
+    """How a process ended: "killed by SIGSEGV" (llama.cpp's repacked weights on an AMX CPU) or "exited with N"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exited with {code}"
+
+
 def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -133,7 +164,7 @@ def _wait_healthy(proc: subprocess.Popen, base: str, log: Path) -> None:
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}: {_tail(log, [])}")
+            raise RuntimeError(f"{_exit_text(proc.returncode)}: {_tail(log, [])}")
         if _get(base + "/health")[0] == 200:
             return
         time.sleep(0.5)
@@ -179,7 +210,7 @@ def start_moestream(model: str, args: argparse.Namespace, ram: str | None, max_b
     deadline = time.monotonic() + STARTUP_SECONDS
     while not found:
         if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}: {_tail(log, lines)}")
+            raise RuntimeError(f"{_exit_text(proc.returncode)}: {_tail(log, lines)}")
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"printed no URL in {STARTUP_SECONDS:.0f} s")
@@ -202,7 +233,7 @@ def start_llama(binary: Path, gguf: Path, args: argparse.Namespace, parallel: in
     cmd += ["--threads", str(args.threads), "--threads-batch", str(args.threads)]
     # --ctx tokens for each slot: llama-server splits --ctx-size among its slots
     cmd += ["--parallel", str(parallel), "--cont-batching", "--ctx-size", str(parallel * args.ctx)]
-    cmd += ["--no-repack", "--no-webui", "--fit", "off"]
+    cmd += ["--no-webui", "--fit", "off"] + ([] if args.llama_repack else ["--no-repack"])
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -455,6 +486,7 @@ def main() -> None:
         help=f"llama-server binary (default: under {LLAMA_BUILD}, else on PATH)",
     )
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp source tree, to make the default GGUF")
+    ap.add_argument("--llama-repack", action="store_true", help="llama-server with its default repacked weights")
     ap.add_argument("--layers", type=int, default=8, help="layers of the default model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clients", default="1,4,8,16", help="concurrencies, comma-separated")
@@ -532,7 +564,8 @@ def main() -> None:
             elif gguf is None:
                 mode.error = f"{args.model} is not a GGUF (give --gguf)"
             else:
-                mode.note = f"{binary} on {gguf}, --no-repack, --ctx-size C x {args.ctx}"
+                repack = "repacked weights" if args.llama_repack else "--no-repack"
+                mode.note = f"{binary} on {gguf}, {repack}, --ctx-size C x {args.ctx}"
         plan.append(mode)
 
     print(f"model: {args.model}" + (f"; llama-server serves {gguf}" if gguf else ""))
