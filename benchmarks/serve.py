@@ -48,10 +48,11 @@ weights are mapped and warm. The same prompt gets the same greedy answer in ever
 does not change outputs): the check is printed. The clients run on the machine's cores too: their CPU share
 is a column.
 
-A full run (5 modes, 4 concurrencies, 4 requests a client, 32 tokens, 2 threads) should take 20-30
-minutes on a 2-core machine (an estimate from the decode speeds in NOTES.md: most of it is the --ram and
---max-batch 1 rows), plus about 30 minutes the first time to make the model; run it alone (neighbours slow
-every row several-fold: NOTES.md).
+A full run (5 modes, 4 concurrencies, 4 requests a client: 116 requests a mode, 32 tokens, 2 threads) should
+take 25-35 minutes on a 2-core machine (an estimate from the prefill and decode speeds in NOTES.md, not yet
+measured: most of it is the --ram and --max-batch 1 rows, whose every request prefills ~150-200 tokens
+alone), plus about 20 minutes the first time to make the model (gguf_source.py: synth, convert, quantize,
+pack); run it alone (neighbours slow every row several-fold: NOTES.md).
 """
 
 from __future__ import annotations
