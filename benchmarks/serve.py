@@ -134,9 +134,10 @@ class Server:
 
 
 def _tail(server_log: Path, lines: list[str]) -> str:
+    """The server's last line of output, and where the rest is."""
     text = server_log.read_text(errors="replace").strip().splitlines() if server_log.exists() else []
     last = (text or lines or ["(no output)"])[-1]
-    return last[-300:]
+    return f"{last[-300:]} (log: {server_log})"
 
 
 def _exit_text(code: int) -> str:
