@@ -15,7 +15,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -41,6 +41,8 @@ PLAIN_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 ROLES = ("system", "user", "assistant")
+# transformers fills each of these from the first one a message carries (templates read different names)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 RESET_LINE = {"reset": True}  # the history line /reset writes: a resumed chat starts after the last one
 
 # Bounds on rendering a template (a template is code from the model directory, run on user messages):
@@ -176,8 +178,10 @@ def _bounded_environment() -> Any:
     attribute and item access checking the render's deadline and every operation that can build a large
     value checking its size first."""
     from jinja2 import TemplateError
+    from jinja2.exceptions import SecurityError
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
 
     class GenerationTag(Extension):
         # transformers' {% generation %} marks the assistant's tokens for training; rendering keeps the body
@@ -236,9 +240,28 @@ def _bounded_environment() -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
+    class TemplateNamespace(Namespace):
+        # as transformers' namespace: no underscore names, which would reach CPython internals
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for key in attrs:
+                TemplateNamespace._check(key)
+            Namespace.__init__(self, attrs)
+
+        def __setitem__(self, key: str, value: Any) -> None:
+            TemplateNamespace._check(key)
+            Namespace.__setitem__(self, key, value)
+
+        @staticmethod
+        def _check(key: Any) -> None:
+            if isinstance(key, str) and key.startswith("_"):
+                raise SecurityError(f"a namespace attribute may not begin with an underscore: {key!r}")
+
     env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationTag])
     env.globals.pop("lipsum", None)  # builds text of any length in one call
     env.globals.update(range=_bounded_range, raise_exception=raise_exception, strftime_now=_strftime_now)
+    env.globals["namespace"] = TemplateNamespace
     env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     return env
@@ -281,20 +304,40 @@ class ChatTemplate:
             raise CheckpointError(f"chat template ({name}) does not compile: {_one_line(e)}") from None
         self.source, self.bos_token, self.eos_token, self.name = source, bos_token, eos_token, name
         self.time_limit = time_limit
+        # the named template "tool_use", which transformers renders instead when the request has tools
+        self.tool_use: ChatTemplate | None = None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """The rendered conversation, within the time limit and MAX_RENDERED_CHARS; any failure of the
-        template (its own raise_exception, a bound, an error in its code) is one InputError."""
+        template (its own raise_exception, a bound, an error in its code) is one InputError.
+
+        As transformers' apply_chat_template(tokenize=False) renders it: the "tool_use" template when there
+        are tools and the model names one; message keys whose value is None dropped; reasoning copied
+        under each of its names; the template given messages, tools (None when there are none),
+        documents=None, add_generation_prompt, bos_token, eos_token and any kwargs (such as tool_choice),
+        which win over the tokens as they do there."""
+        if tools is not None and self.tool_use is not None:
+            return self.tool_use.render(messages, add_generation_prompt, tools, **kwargs)
+        variables = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **kwargs,
+            "messages": _normalize_messages(messages),
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         chunks: list[str] = []
         size = 0
         _budget.deadline, _budget.seconds = time.monotonic() + self.time_limit, self.time_limit
         try:
-            for chunk in self.template.generate(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            ):
+            for chunk in self.template.generate(**variables):
                 size += len(chunk)
                 _check_result_size(size)
                 chunks.append(chunk)
@@ -319,7 +362,12 @@ class ChatTemplate:
         return self
 
     def render_pieces(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, specials: Collection[str]
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        specials: Collection[str],
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> tuple[str, list[tuple[str, bool]]]:
         """The rendered conversation, and the same text as pieces (text, is_content) where a content
         piece is a message's content exactly as given.
@@ -328,8 +376,12 @@ class ChatTemplate:
         sentinel. When putting the contents back in place of the sentinels gives the first rendering, the
         pieces are exact. When it does not (the template strips, rewrites or branches on content), the
         text is one template piece: exact too when no content holds a special-token string, and refused
-        when one does, since no piece of the rendering can then be known to be that content."""
-        text = self.render(messages, add_generation_prompt)
+        when one does, since no piece of the rendering can then be known to be that content.
+
+        Tools, tool calls, names and ids are rendered by the template as its own text, so a special-token
+        string in any of them is refused (it would be read as the token)."""
+        _refuse_special_outside_content(messages, tools, specials)
+        text = self.render(messages, add_generation_prompt, tools, **kwargs)
         contents = [m.get("content") if isinstance(m, dict) else None for m in messages]
         if not any(isinstance(c, str) and c for c in contents):
             return text, [(text, False)]
@@ -338,7 +390,7 @@ class ChatTemplate:
         sentinel = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
         content_of = {sentinel[i]: c for i, c in enumerate(contents) if isinstance(c, str)}
         marked = [{**m, "content": sentinel[i]} if isinstance(contents[i], str) else m for i, m in enumerate(messages)]
-        parts = re.split(f"(\ue000{nonce}:\\d+\ue001)", self.render(marked, add_generation_prompt))
+        parts = re.split(f"(\ue000{nonce}:\\d+\ue001)", self.render(marked, add_generation_prompt, tools, **kwargs))
         pieces = [(content_of[p], True) if i % 2 else (p, False) for i, p in enumerate(parts) if p]
         if "".join(t for t, _ in pieces) == text:
             return text, [p for p in pieces if p[0]]
@@ -357,14 +409,70 @@ class ChatTemplate:
         tokenizer: Tokenizer,
         add_generation_prompt: bool = True,
         allow_special_in_content: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> list[int]:
         """The token ids of the rendered conversation: the template's own special tokens as special
         ids, every message's content as ordinary text (special-token strings in it included), unless
-        allow_special_in_content, which encodes the rendered text whole as it reads."""
+        allow_special_in_content, which encodes the rendered text whole as it reads. tools and kwargs are
+        passed to the template (render)."""
         if allow_special_in_content:
-            return tokenizer.encode(self.render(messages, add_generation_prompt), add_bos=False)
-        _, pieces = self.render_pieces(messages, add_generation_prompt, tokenizer.special_tokens)
+            return tokenizer.encode(self.render(messages, add_generation_prompt, tools, **kwargs), add_bos=False)
+        _, pieces = self.render_pieces(messages, add_generation_prompt, tokenizer.special_tokens, tools, **kwargs)
         return tokenizer.encode_pieces(pieces)
+
+
+def _normalize_messages(messages: list[dict[str, Any]]) -> list[Any]:
+    """The messages as transformers hands them to a template: keys whose value is None dropped (many
+    templates test whether a key is there, and would render "None"), and reasoning copied under each of
+    REASONING_FIELDS from the first one given."""
+    out: list[Any] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value, dictionary keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def _refuse_special_outside_content(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, specials: Collection[str]
+) -> None:
+    found = [s for s in specials if s]
+    if not found:
+        return
+    places: list[tuple[str, Any]] = [("tools", tools)]
+    places += [
+        (f"message {i} field {k!r}", v)
+        for i, m in enumerate(messages)
+        if isinstance(m, dict)
+        for k, v in m.items()
+        if k not in ("content", "role")
+    ]
+    for where, value in places:
+        for text in _strings(value):
+            held = next((s for s in found if s in text), None)
+            if held is not None:
+                raise InputError(
+                    f"{where} holds the special token {held!r}, which the chat template would write as that token"
+                )
 
 
 def _one_line(e: BaseException) -> str:
@@ -400,10 +508,7 @@ def _template_source(cfg: dict[str, Any], cfg_path: Path, model_dir: Path) -> st
     chat_template.jinja; type-checked."""
     source = cfg.get("chat_template")
     if isinstance(source, list):
-        named = {
-            t.get("name"): t.get("template") for t in source if isinstance(t, dict) and isinstance(t.get("name"), str)
-        }
-        source = named.get("default") or next(iter(named.values()), None)
+        source = _named_templates(source).get("default") or next(iter(_named_templates(source).values()), None)
     if source is not None and not isinstance(source, str):
         raise CheckpointError(f"{cfg_path}: chat_template must be a string or a list of {{name, template}}")
     if not source and (model_dir / "chat_template.jinja").exists():
@@ -414,6 +519,19 @@ def _template_source(cfg: dict[str, Any], cfg_path: Path, model_dir: Path) -> st
             raise CheckpointError(f"{path}: cannot read chat template ({e.strerror})") from None
         source = decode_utf8(data, str(path), CheckpointError)
     return source or None
+
+
+def _named_templates(source: list[Any]) -> dict[str, Any]:
+    return {t["name"]: t.get("template") for t in source if isinstance(t, dict) and isinstance(t.get("name"), str)}
+
+
+def _tool_use_source(cfg: dict[str, Any], cfg_path: Path) -> str | None:
+    """The template named "tool_use" in tokenizer_config.json's list of named templates, if any."""
+    source = cfg.get("chat_template")
+    tool_use = _named_templates(source).get("tool_use") if isinstance(source, list) else None
+    if tool_use is not None and not isinstance(tool_use, str):
+        raise CheckpointError(f"{cfg_path}: the chat template named tool_use must be a string")
+    return tool_use or None
 
 
 def load_template(model: Model) -> ChatTemplate:
@@ -434,7 +552,11 @@ def load_template(model: Model) -> ChatTemplate:
     bos, eos = _token_text(cfg, "bos_token"), _token_text(cfg, "eos_token")
     source = _template_source(cfg, cfg_path, path)
     if source is not None:
-        return ChatTemplate(source, bos, eos, name=f"{cfg_path.name}").probe()
+        template = ChatTemplate(source, bos, eos, name=f"{cfg_path.name}").probe()
+        tool_use = _tool_use_source(cfg, cfg_path)
+        if tool_use is not None:
+            template.tool_use = ChatTemplate(tool_use, bos, eos, name=f"{cfg_path.name} tool_use")
+        return template
     tok = model._need_tokenizer()
     has_k3 = all(len(tok.encode(s, add_bos=False)) == 1 for s in ("<|open|>", "<|sep|>", "<|end_of_msg|>"))
     return ChatTemplate(K3_TEMPLATE if has_k3 else PLAIN_TEMPLATE, bos, eos, name="fallback")
