@@ -57,6 +57,7 @@ from .errors import InputError, IntegrityError, MoeStreamError
 from .generate import PREFILL_CHUNK, GenerationStats, Model, TextTail
 from .generation_config import GenerationDefaults
 from .sampling import SEED_MAX, SamplingParams
+from .tool_calls import ToolCallParser, parser_for, tool_schema
 
 if TYPE_CHECKING:
     from .server_ops import OpsOptions
@@ -190,10 +191,44 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # a JSON object's text, as the model wrote it
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # given to the chat template, which may write it
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Sampling):
@@ -201,6 +236,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- what the engine sends a request ---------------------------------------------------------------
@@ -245,6 +283,8 @@ class Job:
     logprobs: int | None = None  # the chosen tokens' logprobs with the top k alternatives
     echo: str | None = None  # the prompt's text, to be sent scored first (completions' echo)
     constraint: LogitsConstraint | None = None
+    # a chat reply's tool calls are parsed out of its text by this (tools, tool_choice), else None
+    tool_parser: ToolCallParser | None = None
 
     def emit(self, event: Event) -> None:
         try:
@@ -394,16 +434,50 @@ class Engine:
                     raise ApiError(400, "only text content parts are supported", "messages")
                 content = "".join(str(t) for t in texts)
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": content or ""} | ({"name": m.name} if m.name else {}))
+            messages.append({"role": role, "content": content or ""} | _tool_fields(m))
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
+        if choice is not None and choice not in ("none", "auto") and not tools:
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        source = (self.template.tool_use or self.template).source
+        try:
+            parser = parser_for(tools, choice, source)
+            schema = tool_schema(tools, choice, req.parallel_tool_calls is not False)
+        except InputError as e:
+            raise ApiError(400, str(e), "tools" if choice in (None, "auto") else "tool_choice") from None
+        # the template gets tools as transformers passes them, and tool_choice (Kimi K3's says what it asks)
+        extra: dict[str, Any] = {"tool_choice": choice} if tools and choice is not None else {}
         try:  # message content is encoded as text: only the template writes special tokens
-            ids = self.template.encode(messages, self.model._need_tokenizer(), add_generation_prompt=True)
+            tok = self.model._need_tokenizer()
+            ids = self.template.encode(messages, tok, add_generation_prompt=True, tools=tools, **extra)
         except InputError as e:
             raise ApiError(400, str(e), "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = self._constrain(self._job(ids, max_tokens, sampling, None, "messages"), req)
         if req.logprobs:
             job.logprobs = req.top_logprobs or 0
+        job.tool_parser = parser
+        if parser is not None and req.parallel_tool_calls is False:
+            parser.limit = 1
+        if schema is not None:
+            job.constraint = self._tool_constraint(schema)
         return job
+
+    def _tool_constraint(self, schema: dict[str, Any]) -> LogitsConstraint:
+        """The constraint that makes the reply follow a forced tool call's schema (tool_schema)."""
+        try:
+            from .structured import OutputConstraint  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            raise ApiError(
+                400, "tool_choice 'required' or a named function needs structured output", "tool_choice"
+            ) from None
+        try:
+            constraint: LogitsConstraint = OutputConstraint.json_schema(
+                schema, self.model._need_tokenizer(), self.model.vocab_size, eos_ids=self.model.eos_ids, what="tools"
+            )
+        except InputError as e:
+            raise ApiError(400, str(e), "tools") from None
+        return constraint
 
     # ---- the queue -------------------------------------------------------------------------------
 
@@ -531,6 +605,23 @@ class Engine:
     def _ended(self, a: _Active) -> None:
         for listener in self.job_ended:  # before the end is sent: a client that then reads /metrics sees its job
             listener(a.stats)
+
+
+def _tool_fields(m: ChatMessage) -> dict[str, Any]:
+    """A message's fields beside role and content, as the chat template reads them: name, an assistant's
+    tool_calls, a tool result's tool_call_id; each only where OpenAI's API allows it."""
+    if m.tool_calls is not None and m.role != "assistant":
+        raise ApiError(400, f"tool_calls are for assistant messages, not {m.role!r}", "messages")
+    if m.role == "tool" and not m.tool_call_id:
+        raise ApiError(400, "a tool message needs tool_call_id (the call it answers)", "messages")
+    if m.tool_call_id is not None and m.role != "tool":
+        raise ApiError(400, f"tool_call_id is for tool messages, not {m.role!r}", "messages")
+    out: dict[str, Any] = {"name": m.name} if m.name else {}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 # ---- the HTTP side ---------------------------------------------------------------------------------
@@ -772,14 +863,29 @@ def create_app(engine: Engine, docs: bool = False) -> Any:
         if req.stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.name}
 
+            parser = job.tool_parser
+
             def chunks(event: Piece | Finished) -> list[dict[str, Any]]:
-                if isinstance(event, Piece):
-                    choice = {"index": 0, "delta": {"content": event.text}, "finish_reason": None}
-                else:
-                    choice = {"index": 0, "delta": {}, "finish_reason": event.finish_reason}
-                if scores is not None:
-                    choice["logprobs"] = logprobs(event.logprobs)
-                return [{**base, "choices": [choice]}]
+                reason = None
+                if parser is None:
+                    deltas = [{"content": event.text}] if isinstance(event, Piece) else []
+                else:  # tool calls parsed out of the text as it comes
+                    deltas = parser.feed(event.text) if isinstance(event, Piece) else parser.flush()
+                if isinstance(event, Finished):
+                    reason = parser.finish_reason(event.finish_reason) if parser else event.finish_reason
+                    deltas.append({})
+                elif not deltas:
+                    if scores is None:
+                        return []
+                    deltas = [{}]  # held back (a marker may be starting): the tokens' logprobs still go out
+                out = []
+                for i, delta in enumerate(deltas):
+                    last = isinstance(event, Finished) and i == len(deltas) - 1
+                    choice = {"index": 0, "delta": delta, "finish_reason": reason if last else None}
+                    if scores is not None:
+                        choice["logprobs"] = logprobs(event.logprobs if i == 0 else [])
+                    out.append({**base, "choices": [choice]})
+                return out
 
             opening = {
                 **base,
@@ -788,9 +894,14 @@ def create_app(engine: Engine, docs: bool = False) -> Any:
             events = _sse_stream(listener, chunks, _usage_chunk(base, req), [opening])
             return StreamingResponse(events, media_type="text/event-stream")
         pieces, end = await _whole(request, listener)
-        message = {"role": "assistant", "content": "".join(p.text for p in pieces)}
+        text = "".join(p.text for p in pieces)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = end.finish_reason
+        if job.tool_parser is not None:
+            message = {"role": "assistant", **job.tool_parser.message(text)}
+            finish = job.tool_parser.finish_reason(finish)
         entries = [e for p in pieces for e in p.logprobs] + end.logprobs
-        choice = {"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": end.finish_reason}
+        choice = {"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}
         return {
             "id": rid,
             "object": "chat.completion",

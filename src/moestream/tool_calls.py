@@ -339,6 +339,7 @@ class ToolCallParser:
     def __init__(self, fmt: ToolFormat, id_prefix: str | None = None):
         self.fmt = fmt
         self.prefix = id_prefix if id_prefix is not None else f"call_{secrets.token_hex(8)}_"
+        self.limit: int | None = None  # at most this many calls are kept (parallel_tool_calls false: 1)
         self.text = ""
         self._content = 0  # characters of content sent
         self._sent: list[int] = []  # per call: characters of its arguments sent
@@ -350,8 +351,23 @@ class ToolCallParser:
     def parse(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """The content and the calls (OpenAI's shape) of a whole reply."""
         scan = self.fmt.scan(text, True)
-        self.calls = scan.calls
-        return scan.content, [c.openai(self.call_id(i, c)) for i, c in enumerate(scan.calls)]
+        self.calls = scan.calls[: self.limit]
+        return scan.content, [c.openai(self.call_id(i, c)) for i, c in enumerate(self.calls)]
+
+    def message(self, text: str) -> dict[str, Any]:
+        """A whole reply as the fields of OpenAI's assistant message: content (None when it is only
+        whitespace beside calls) and tool_calls (when there are any)."""
+        content, calls = self.parse(text)
+        if not calls:
+            return {"content": content}
+        return {"content": content if content.strip(WHITESPACE) else None, "tool_calls": calls}
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The reply's finish_reason: "tool_calls" when it ended by itself with calls, as OpenAI's does
+        (a named tool_choice is answered with "stop" there too)."""
+        if self.calls and reason == "stop" and not isinstance(self.fmt, NamedArguments):
+            return "tool_calls"
+        return reason
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         self.text += piece
@@ -365,8 +381,8 @@ class ToolCallParser:
         if len(scan.content) > self._content:
             out.append({"content": scan.content[self._content :]})
             self._content = len(scan.content)
-        self.calls = scan.calls
-        for i, call in enumerate(scan.calls):
+        self.calls = scan.calls[: self.limit]
+        for i, call in enumerate(self.calls):
             if i == len(self._sent):
                 self._sent.append(0)
                 head = {"index": i, "id": self.call_id(i, call), "type": "function"}
