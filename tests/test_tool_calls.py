@@ -334,7 +334,7 @@ def test_forced_outputs_parse_into_calls():
     streamed = collect([d for ch in out for d in s.feed(ch)] + s.flush())[1]
     assert [c[1:] for c in streamed] == [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
     assert parser_for(TOOLS, "none", "<tool_call>") is None and parser_for(None, "auto", "<tool_call>") is None
-    with pytest.raises(InputError, match="writes no tool-call format"):
+    with pytest.raises(InputError, match="no tool-call format"):
         parser_for(TOOLS, "auto", PLAIN_TEMPLATE)
 
 
@@ -443,7 +443,8 @@ def test_tool_requests_that_are_400s(tool_server):
     user = [{"role": "user", "content": "x"}]
     cases = [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "not in tools"),
-        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        ({"tool_choice": "required"}, "tool_choice: not supported without tools"),
+        ({"tool_choice": "none"}, "tool_choice: not supported without tools"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0"),
         ({"messages": [{"role": "tool", "content": "r"}]}, "tool_call_id"),
@@ -457,7 +458,7 @@ def test_tool_requests_that_are_400s(tool_server):
     engine.template = ChatTemplate(PLAIN_TEMPLATE)  # a template with no tool-call format: auto cannot work
     try:
         r = post(chat, {"model": "tiny", "messages": user, "tools": TOOLS})
-        assert r.status_code == 400 and "writes no tool-call format" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "no tool-call format" in r.json()["error"]["message"]
         engine.replies.append("plain")  # tool_choice none: the text as it is, never parsed
         r = post(chat, {"model": "tiny", "messages": user, "tools": TOOLS, "tool_choice": "none"})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "plain"

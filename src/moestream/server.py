@@ -437,8 +437,8 @@ class Engine:
             messages.append({"role": role, "content": content or ""} | _tool_fields(m))
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
-        if choice is not None and choice not in ("none", "auto") and not tools:
-            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        if choice is not None and not tools:  # as OpenAI's API answers it
+            raise ApiError(400, "tool_choice: not supported without tools", "tool_choice")
         source = (self.template.tool_use or self.template).source
         try:
             parser = parser_for(tools, choice, source)

@@ -467,7 +467,7 @@ def parser_for(
     fmt = detect(template_source or "")
     if fmt is None:
         raise InputError(
-            "tools: this model's chat template writes no tool-call format this server can parse "
-            "(Kimi K2/K3, DeepSeek-V3/V3.1, Qwen3/Hermes); use tool_choice 'required' or a named function"
+            "tools: not supported with this model's chat template, which writes no tool-call format this server "
+            "parses (Kimi K2/K3, DeepSeek-V3/V3.1, Qwen3/Hermes); tool_choice 'required' or a named function works"
         )
     return ToolCallParser(fmt)
