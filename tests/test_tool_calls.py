@@ -467,3 +467,35 @@ def test_tool_requests_that_are_400s(tool_server):
     engine.replies.append(CALL_TEXT)  # tool_choice none: a call the model writes anyway stays text
     r = post(chat, {"model": "tiny", "messages": user, "tools": TOOLS, "tool_choice": "none"})
     assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": CALL_TEXT}
+
+
+def test_forced_tool_choice_on_the_model(tool_server):
+    """tool_choice named and required, enforced on the tiny model by structured output's JSON schema: the
+    calls parse and their arguments validate (the random model would never write one by itself)."""
+    pytest.importorskip("moestream.structured")
+    _, scripted = tool_server
+    engine = Engine(scripted.model, "tiny", ctx=4096, max_tokens=256)
+    port = free_port()
+    srv = make_server(engine, "127.0.0.1", port)
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    try:
+        while not srv.started:
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        r = client.chat.completions.create(**ask, tool_choice=named, temperature=0, max_tokens=200)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        r = client.chat.completions.create(**ask, tool_choice="required", temperature=0, max_tokens=200)
+        calls = r.choices[0].message.tool_calls
+        assert calls, r.choices[0].message.content
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), params[c.function.name])
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+        engine.stop()

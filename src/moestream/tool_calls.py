@@ -441,6 +441,7 @@ def tool_schema(
                 "parameters": _parameters(_function(t)),
             },
             "required": ["name", "parameters"],
+            "additionalProperties": False,  # else a constraint lets the model add keys of its own
         }
         for t in tools
     ]
