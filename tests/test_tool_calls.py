@@ -19,8 +19,9 @@ import pytest
 import moestream
 from moestream.chat import PLAIN_TEMPLATE, ChatTemplate
 from moestream.errors import InputError
-from moestream.generate import GenerationStats
+from moestream.generate import GenerationStats, TextTail
 from moestream.server import Engine, Finished, Piece, make_server
+from moestream.tokenizer import load_tokenizer
 from moestream.tool_calls import (
     DeepSeekV3,
     DeepSeekV31,
@@ -35,6 +36,7 @@ from moestream.tool_calls import (
     tool_schema,
 )
 from test_server import free_port, post
+from test_tokenizer import _hf_tokenizer_dir, _tiktoken_dir
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 
@@ -290,6 +292,19 @@ def test_finish_reason_and_message():
     }
     assert p.finish_reason("stop") == "tool_calls" and p.finish_reason("length") == "length"
     assert p.message("just text") == {"content": "just text"} and p.finish_reason("stop") == "stop"
+
+
+@pytest.mark.parametrize("kind", ["tokenizer.json", "tiktoken"])
+def test_the_text_the_server_parses_keeps_special_tokens(tmp_path, kind):
+    """Tool-call markers are special tokens in Kimi's and DeepSeek's tokenizers: the reply's text (the
+    stream decoder, then TextTail, as the engine runs them) must keep them, ending only at end-of-text."""
+    d = _hf_tokenizer_dir(tmp_path, False) if kind == "tokenizer.json" else _tiktoken_dir(tmp_path)[0]
+    tok = load_tokenizer(d)
+    assert tok is not None
+    marker = "</s>" if kind == "tokenizer.json" else "<|end_of_msg|>"
+    ids = [*tok.encode("def f", add_bos=False), tok.special_tokens[marker], *tok.encode("(x):", add_bos=False)]
+    text = TextTail(tok, (), frozenset({10**9}))
+    assert "".join(text.feed(i) for i in ids) + text.flush() == f"def f{marker}(x):"
 
 
 # ---- tool_choice ---------------------------------------------------------------------------------
