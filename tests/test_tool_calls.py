@@ -133,11 +133,23 @@ def test_published_templates_render_as_transformers_does(name):
         assert rendered == len(CONVERSATIONS) * 6 - (6 if name.startswith("deepseek") else 0)
 
 
-def test_named_tool_use_template_is_used_with_tools(tmp_path):
+def test_named_tool_use_template_is_used_with_tools():
     src = ChatTemplate("plain {{ messages[0].content }}")
     src.tool_use = ChatTemplate("tools {{ tools | length }} {{ messages[0].content }}")
     assert src.render([{"role": "user", "content": "hi"}], True) == "plain hi"
     assert src.render([{"role": "user", "content": "hi"}], True, TOOLS) == "tools 2 hi"
+
+
+def test_load_template_reads_the_tool_use_template(tmp_path):
+    from types import SimpleNamespace
+
+    from moestream.chat import load_template
+
+    named = [{"name": "default", "template": "d"}, {"name": "tool_use", "template": "t{{ tools | length }}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    template = load_template(SimpleNamespace(path=tmp_path, store=None))  # type: ignore[arg-type]
+    assert template.render([{"role": "user", "content": "x"}]) == "d"
+    assert template.render([{"role": "user", "content": "x"}], True, TOOLS) == "t2"
 
 
 def test_template_errors_are_input_errors():
