@@ -29,11 +29,14 @@ from moestream.tool_calls import (
     KimiK2,
     KimiK3,
     NamedArguments,
+    QwenXml,
     RequiredCalls,
     ToolCallParser,
+    arguments_for_template,
     detect,
     parser_for,
     tool_schema,
+    wants_mapping_arguments,
 )
 from test_server import free_port, post
 from test_tokenizer import _hf_tokenizer_dir, _tiktoken_dir
@@ -183,6 +186,7 @@ def test_detect_reads_the_template():
         "deepseek_v3_1.jinja": "DeepSeekV31",
         "qwen3.jinja": "Hermes",
     }
+    assert isinstance(detect("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"), QwenXml)
     assert detect(PLAIN_TEMPLATE) is None
 
 
@@ -215,6 +219,13 @@ OUTPUTS = [
         'Let me see <tool_x>.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
         "Let me see <tool_x>.\n\n",
+    ),
+    (
+        QwenXml({"add": {"a": "number", "b": "number"}}),
+        "Ok.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+        "</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n"
+        "</parameter>\n</function>\n</tool_call>",
+        "Ok.\n\n\n",
     ),
     (
         KimiK3(),
@@ -261,6 +272,37 @@ def test_whole_and_streamed_at_every_split_agree(fmt, text, content):
     for split in range(len(text) + 1):
         p = ToolCallParser(fmt, "id")
         assert collect(p.feed(text[:split]) + p.feed(text[split:]) + p.flush()) == whole, split
+
+
+# what each template writes for an assistant's call to get_weather(city="Paris"): the model writes the same
+WRITTEN = {
+    "kimi_k2_instruct_0905.jinja": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+    "kimi_k3.jinja": '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city"'
+    ' type="string"<|sep|>Paris<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>',
+    "deepseek_v3.jinja": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+    '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "deepseek_v3_1.jinja": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "qwen3.jinja": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN))
+def test_a_parsed_call_renders_back_as_the_model_wrote_it(name):
+    """The call parsed from the model's text, sent back by the client (OpenAI's shape, arguments as text)
+    and rendered the way the server renders it, is the text the model wrote: the next turn's prompt holds
+    the call in the model's own form."""
+    source = (TEMPLATES / name).read_text()
+    fmt = detect(source)
+    assert fmt is not None
+    content, calls = ToolCallParser(fmt).parse(WRITTEN[name])
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather"]
+    as_mapping = wants_mapping_arguments(source)
+    assert as_mapping == (name == "kimi_k3.jinja")
+    sent = [arguments_for_template(c, as_mapping) for c in calls]
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": sent}]
+    assert WRITTEN[name] in ChatTemplate(source).render(messages, False, TOOLS)
 
 
 def test_text_like_a_marker_is_content_once_it_is_not_one():

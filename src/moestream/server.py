@@ -57,7 +57,7 @@ from .errors import InputError, IntegrityError, MoeStreamError
 from .generate import PREFILL_CHUNK, GenerationStats, Model, TextTail
 from .generation_config import GenerationDefaults
 from .sampling import SEED_MAX, SamplingParams
-from .tool_calls import ToolCallParser, parser_for, tool_schema
+from .tool_calls import ToolCallParser, arguments_for_template, parser_for, tool_schema, wants_mapping_arguments
 
 if TYPE_CHECKING:
     from .server_ops import OpsOptions
@@ -425,6 +425,9 @@ class Engine:
         sampling = self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        source = (self.template.tool_use if tools and self.template.tool_use else self.template).source
+        as_mapping = wants_mapping_arguments(source)
         messages = []
         for m in req.messages:
             content = m.content
@@ -434,12 +437,10 @@ class Engine:
                     raise ApiError(400, "only text content parts are supported", "messages")
                 content = "".join(str(t) for t in texts)
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": content or ""} | _tool_fields(m))
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            messages.append({"role": role, "content": content or ""} | _tool_fields(m, as_mapping))
         choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
         if choice is not None and not tools:  # as OpenAI's API answers it
             raise ApiError(400, "tool_choice: not supported without tools", "tool_choice")
-        source = (self.template.tool_use or self.template).source
         try:
             parser = parser_for(tools, choice, source)
             schema = tool_schema(tools, choice, req.parallel_tool_calls is not False)
@@ -607,9 +608,10 @@ class Engine:
             listener(a.stats)
 
 
-def _tool_fields(m: ChatMessage) -> dict[str, Any]:
+def _tool_fields(m: ChatMessage, as_mapping: bool) -> dict[str, Any]:
     """A message's fields beside role and content, as the chat template reads them: name, an assistant's
-    tool_calls, a tool result's tool_call_id; each only where OpenAI's API allows it."""
+    tool_calls (their arguments parsed when as_mapping: tool_calls.wants_mapping_arguments), a tool result's
+    tool_call_id; each only where OpenAI's API allows it."""
     if m.tool_calls is not None and m.role != "assistant":
         raise ApiError(400, f"tool_calls are for assistant messages, not {m.role!r}", "messages")
     if m.role == "tool" and not m.tool_call_id:
@@ -618,7 +620,7 @@ def _tool_fields(m: ChatMessage) -> dict[str, Any]:
         raise ApiError(400, f"tool_call_id is for tool messages, not {m.role!r}", "messages")
     out: dict[str, Any] = {"name": m.name} if m.name else {}
     if m.tool_calls:
-        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        out["tool_calls"] = [arguments_for_template(c.model_dump(), as_mapping) for c in m.tool_calls]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     return out

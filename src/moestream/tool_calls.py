@@ -13,6 +13,8 @@ Formats (chosen by what the chat template writes for an assistant's tool calls, 
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
 - DeepSeek-V3.1: the same markers, <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
 - Qwen3 / Hermes: <tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>, any number, text between
+- Qwen3-Coder (and later Qwen): <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n
+  </function>\\n</tool_call>
 
 Every parse is one function, `scan(text, final)`: the content so far (the text outside tool calls) and the
 calls so far (name, arguments as far as they are known). With final=False it holds back what more text
@@ -278,6 +280,41 @@ class KimiK3(ToolFormat):
         return json.dumps(args, ensure_ascii=False)
 
 
+class QwenXml(ToolFormat):
+    """<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>
+    (Qwen3-Coder and later Qwen templates): the name is sent once its tag is whole, the arguments when the
+    call closes. A value is text where the tool's schema says string (or says nothing), else JSON when it
+    reads as JSON."""
+
+    name = "qwen3_xml"
+    begin, end = "<tool_call>", "</tool_call>"
+    _function = re.compile(r"<function=([^>\n]*)>")
+    _parameter = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.S)
+
+    def __init__(self, types: dict[str, dict[str, Any]] | None = None):
+        self.types = types or {}  # function -> parameter -> its JSON schema type
+
+    def section(self, body: str, closed: bool, final: bool) -> list[ToolCall] | None:
+        head = self._function.search(body)
+        if head is None:
+            return [] if not (closed or final) else None
+        name = head.group(1).strip(WHITESPACE)
+        if not (closed or final):
+            return [ToolCall(name)]
+        types = self.types.get(name, {})
+        args: dict[str, Any] = {}
+        for key, value in self._parameter.findall(body[head.end() :]):
+            kind = types.get(key)
+            if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
+                args[key] = value
+                continue
+            try:
+                args[key] = json.loads(value)
+            except (ValueError, RecursionError):
+                args[key] = value
+        return [ToolCall(name, json.dumps(args, ensure_ascii=False), None, True)]
+
+
 class NamedArguments(ToolFormat):
     """tool_choice naming a function: the whole output is that function's arguments object."""
 
@@ -309,7 +346,9 @@ class RequiredCalls(ToolFormat):
         return Scan("", calls)
 
 
-FORMATS: dict[str, Callable[[], ToolFormat]] = {f.name: f for f in (KimiK2, KimiK3, DeepSeekV3, DeepSeekV31, Hermes)}
+FORMATS: dict[str, Callable[[], ToolFormat]] = {
+    f.name: f for f in (KimiK2, KimiK3, DeepSeekV3, DeepSeekV31, QwenXml, Hermes)
+}
 
 
 def detect(template_source: str) -> ToolFormat | None:
@@ -322,9 +361,31 @@ def detect(template_source: str) -> ToolFormat | None:
         return KimiK3()
     if "<｜tool▁calls▁begin｜>" in s:
         return DeepSeekV3() if "tool['type']" in s else DeepSeekV31()
+    if "<tool_call>" in s and "<function=" in s:
+        return QwenXml()
     if "<tool_call>" in s:
         return Hermes()
     return None
+
+
+def wants_mapping_arguments(template_source: str) -> bool:
+    """Whether the template writes an assistant's tool-call arguments from a mapping (Kimi K3's typed
+    argument tags, Qwen's XML parameters) rather than from the JSON text OpenAI's messages carry: it is
+    then given the arguments parsed, as vLLM gives them, and writes them in the form the model writes."""
+    return any(p in template_source for p in ("arguments is mapping", "arguments|items", "arguments | items"))
+
+
+def arguments_for_template(call: dict[str, Any], as_mapping: bool) -> dict[str, Any]:
+    """An OpenAI tool call as the template gets it: its arguments a mapping when as_mapping and they are a
+    JSON object's text (else unchanged)."""
+    function = call.get("function")
+    if not (as_mapping and isinstance(function, dict) and isinstance(function.get("arguments"), str)):
+        return call
+    try:
+        args = json.loads(function["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    return {**call, "function": {**function, "arguments": args}} if isinstance(args, dict) else call
 
 
 # ---- parsing -------------------------------------------------------------------------------------
@@ -414,6 +475,12 @@ def named_function(tools: list[dict[str, Any]] | None, tool_choice: Any) -> dict
     raise InputError(f"tool_choice names the function {name!r}, which is not in tools")
 
 
+def _property_types(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters -> the JSON schema type each declares (None where it declares none)."""
+    props = _parameters(function).get("properties")
+    return {k: v.get("type") for k, v in props.items() if isinstance(v, dict)} if isinstance(props, dict) else {}
+
+
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     params = function.get("parameters")
     return params if isinstance(params, dict) else {"type": "object", "properties": {}}
@@ -466,6 +533,8 @@ def parser_for(
     if tool_choice == "required":
         return ToolCallParser(RequiredCalls())
     fmt = detect(template_source or "")
+    if isinstance(fmt, QwenXml):
+        fmt.types = {str(_function(t).get("name")): _property_types(_function(t)) for t in tools}
     if fmt is None:
         raise InputError(
             "tools: not supported with this model's chat template, which writes no tool-call format this server "
