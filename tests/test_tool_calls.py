@@ -128,6 +128,10 @@ def test_published_templates_render_as_transformers_does(name):
                         ours.render(messages, True, tools, **extra)
                     continue
                 assert ours.render(messages, True, tools, **extra) == want
+                # and every message's content is found in it as a piece, to be encoded as text
+                text, pieces = ours.render_pieces(messages, True, {"<|im_end|>": 1}, tools, **extra)
+                assert text == want and "".join(p for p, _ in pieces) == want
+                assert [p for p, is_content in pieces if is_content] == [m["content"] for m in messages if m["content"]]
                 rendered += 1
     assert rendered >= 6  # every template renders at least the conversations without tool calls
     if name != "kimi_k2_thinking.jinja":  # that one calls list.append, which both sandboxes refuse

@@ -388,8 +388,10 @@ class ChatTemplate:
         # private-use characters around a random number: in no template and in no content
         nonce = secrets.token_hex(8)
         sentinel = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
-        content_of = {sentinel[i]: c for i, c in enumerate(contents) if isinstance(c, str)}
-        marked = [{**m, "content": sentinel[i]} if isinstance(contents[i], str) else m for i, m in enumerate(messages)]
+        # an empty content stays as it is: it holds nothing to protect, and templates test it (an assistant's
+        # "" beside tool calls renders unlike any text)
+        content_of = {sentinel[i]: c for i, c in enumerate(contents) if isinstance(c, str) and c}
+        marked = [{**m, "content": sentinel[i]} if sentinel[i] in content_of else m for i, m in enumerate(messages)]
         parts = re.split(f"(\ue000{nonce}:\\d+\ue001)", self.render(marked, add_generation_prompt, tools, **kwargs))
         pieces = [(content_of[p], True) if i % 2 else (p, False) for i, p in enumerate(parts) if p]
         if "".join(t for t, _ in pieces) == text:
