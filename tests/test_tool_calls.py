@@ -7,6 +7,7 @@ marker is ever content; the schemas that force a call; and a round trip with the
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import threading
 import time
@@ -307,6 +308,25 @@ def test_a_parsed_call_renders_back_as_the_model_wrote_it(name):
     sent = [arguments_for_template(c, as_mapping) for c in calls]
     messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": sent}]
     assert WRITTEN[name] in ChatTemplate(source).render(messages, False, TOOLS)
+
+
+@pytest.mark.parametrize(("fmt", "text", "content"), OUTPUTS, ids=[o[0].name for o in OUTPUTS])
+def test_random_texts_stream_as_they_parse(fmt, text, content):
+    """Texts made of pieces of a real output, markers and stray characters, fed in random pieces: the
+    deltas add up to the whole-text parse (never a delta that a later scan would have to take back)."""
+    rng = random.Random(len(text))
+    frags = [text[i : i + 7] for i in range(0, len(text), 7)]
+    stray = ["<", "|", ">", "{", "}", '"', "\n", " ", "`", ":", fmt.begin, fmt.end]
+    for _ in range(200):
+        t = "".join(rng.choice(frags) if rng.random() < 0.6 else rng.choice(stray) for _ in range(rng.randint(1, 30)))
+        c, calls = ToolCallParser(fmt, "i").parse(t)
+        p, deltas, pos = ToolCallParser(fmt, "i"), [], 0
+        while pos < len(t):
+            n = rng.randint(1, 5)
+            deltas += p.feed(t[pos : pos + n])
+            pos += n
+        streamed = collect(deltas + p.flush(), markers_are_content=True)
+        assert streamed == (c, [(x["id"], x["function"]["name"], x["function"]["arguments"]) for x in calls]), t
 
 
 def test_text_like_a_marker_is_content_once_it_is_not_one():
