@@ -514,13 +514,18 @@ def test_round_trip_call_result_answer(tool_server):
     assert '<tool_response>\n{"temp": 21}\n</tool_response>' in want
 
 
-def test_streamed_tool_call_deltas(tool_server):
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_streamed_tool_call_deltas(tool_server, logprobs):
     url, engine = tool_server
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     engine.replies.append(CALL_TEXT)
     chunks = list(
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, stream=True
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=TOOLS,
+            stream=True,
+            logprobs=logprobs,
         )
     )
     deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in chunks if c.choices]
