@@ -585,11 +585,14 @@ def test_forced_tool_choice_on_the_model(tool_server):
         named = {"type": "function", "function": {"name": "get_weather"}}
         r = client.chat.completions.create(**ask, tool_choice=named, temperature=0, max_tokens=200)
         (call,) = r.choices[0].message.tool_calls
-        assert call.function.name == "get_weather"
+        assert call.function.name == "get_weather" and r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
         r = client.chat.completions.create(**ask, tool_choice="required", temperature=0, max_tokens=200)
         calls = r.choices[0].message.tool_calls
         assert calls, r.choices[0].message.content
+        assert r.choices[0].finish_reason == "tool_calls"
+        with pytest.raises(openai.BadRequestError, match="response_format"):
+            client.chat.completions.create(**ask, tool_choice="required", response_format={"type": "json_object"})
         params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
         for c in calls:
             jsonschema.validate(json.loads(c.function.arguments), params[c.function.name])

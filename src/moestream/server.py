@@ -461,6 +461,8 @@ class Engine:
         if parser is not None and req.parallel_tool_calls is False:
             parser.limit = 1
         if schema is not None:
+            if job.constraint is not None:
+                raise ApiError(400, "response_format cannot be combined with a forced tool_choice", "response_format")
             job.constraint = self._tool_constraint(schema)
         return job
 
