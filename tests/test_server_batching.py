@@ -199,3 +199,73 @@ def test_max_batch_flag_reaches_the_engine_and_a_budget_plans_for_it():
         many = cli("serve", "--ram", "80M", "--ctx", "2048", "--max-batch", "256", "--port", port)
     assert many.returncode == 2 and many.stderr.count("\n") == 1 and "KV/state" in many.stderr
     assert one.returncode == 2 and "cannot listen" in one.stderr
+
+
+def test_echo_offsets_point_into_the_text_and_alternatives_hold_the_chosen_token(served):
+    engine, client, _ = served
+    prompt = "def f(x):\n    return x"
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, echo=True, logprobs=0, temperature=0)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert lp.tokens[0] == engine.token_text(engine.model.tokenize(prompt)[0])  # the BOS, not in the text
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        assert 0 <= offset <= len(text)
+        if token in text and token != lp.tokens[0]:
+            assert text[offset : offset + len(token)] == token
+    assert lp.text_offset == sorted(lp.text_offset)
+    for token, chosen, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top == {token: chosen}  # logprobs=0: the chosen token alone, as the completions API defines it
+
+
+def test_a_prompt_of_ids_in_a_list_as_harnesses_send_it(served):
+    engine, client, _ = served
+    ids = engine.model.tokenize("import os")
+    one = client.completions.create(model=NAME, prompt=[ids], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    plain = client.completions.create(model=NAME, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert one.choices[0].logprobs.token_logprobs == plain.choices[0].logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="batch of prompts"):
+        client.completions.create(model=NAME, prompt=[ids, ids], max_tokens=1)
+
+
+class Refuses:
+    """A constraint whose third token is refused (as llguidance refuses a token it cannot continue with)."""
+
+    finished = False
+
+    def __init__(self):
+        self.n = 0
+
+    def mask(self, logits):
+        pass
+
+    def accept(self, token):
+        self.n += 1
+        if self.n == 3:
+            raise moestream.errors.InputError("structured output: this token does not continue the grammar")
+
+
+def test_a_job_that_fails_ends_alone(served):
+    engine, client, _ = served
+    from moestream.server import ChatRequest, CompletionRequest, Finished
+
+    want = client.completions.create(model=NAME, prompt="def f(x):", max_tokens=12, temperature=0).choices[0].text
+    plain = engine.completion_job(CompletionRequest(model=NAME, prompt="def f(x):", max_tokens=12, temperature=0))
+    bad = engine.chat_job(ChatRequest(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=12))
+    bad.constraint = Refuses()
+    events: dict[str, list] = {"plain": [], "bad": []}
+    done = threading.Event()
+
+    def sink(name):
+        def put(event):
+            events[name].append(event)
+            if len(events["plain"]) and not isinstance(events["plain"][-1], server_module.Piece):
+                if events["bad"] and not isinstance(events["bad"][-1], server_module.Piece):
+                    done.set()
+
+        return put
+
+    engine.submit(bad, sink("bad"))
+    engine.submit(plain, sink("plain"))
+    assert done.wait(60)
+    assert isinstance(events["bad"][-1], server_module.Failed) and events["bad"][-1].error.status == 400
+    assert isinstance(events["plain"][-1], Finished)
+    assert "".join(e.text for e in events["plain"][:-1]) == want

@@ -59,13 +59,13 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def logprobs_of(logits: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprobs]:
     """logits [N, V] and the token each row is scored against -> one TokenLogprobs per row."""
-    lp = log_softmax(logits)
     out = []
-    for row, token in zip(lp, tokens, strict=True):
+    for i, token in enumerate(tokens):
+        row = log_softmax(logits[i])  # a row at a time: float64 copies of a whole prompt chunk are large
         best: list[tuple[int, float]] = []
         if top > 0:
             ids = np.argpartition(-row, top - 1)[:top]
-            ids = ids[np.lexsort((ids, -row[ids]))]  # most likely first; ties by id, so the order is fixed
+            ids = ids[np.lexsort((ids, -row[ids]))]  # most likely first, ties by id
             best = [(int(i), float(row[i])) for i in ids]
         out.append(TokenLogprobs(int(token), float(row[token]), best))
     return out
@@ -95,6 +95,7 @@ class Sequence:
     token_logprobs: TokenLogprobs | None = None
     prompt_scores: list[TokenLogprobs] = field(default_factory=list)
     done: bool = False
+    error: Exception | None = None  # why this sequence failed (the others in its steps go on)
     started: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -158,7 +159,9 @@ class Sequence:
 def step(model: Model, seqs: list[Sequence], prefill_tokens: int, chunk: int) -> list[Sequence]:
     """One forward pass for the sequences that are not done: every decoding one, and prefilling ones in
     order while their chunks add up to at most prefill_tokens (always at least one). Returns the sequences
-    that took part; those among them with a new `token` have `token` set (else None: still prefilling)."""
+    that took part; those among them with a new `token` have `token` set (else None: still prefilling).
+    A failure is the failing sequence's alone (its `error`, and it is done): sampling, a constraint or a
+    check of its logits; a failed pass fails every sequence in it (their states have moved)."""
     taking: list[Sequence] = []
     ids: list[list[int]] = []
     budget, prefills = prefill_tokens, 0
@@ -177,8 +180,16 @@ def step(model: Model, seqs: list[Sequence], prefill_tokens: int, chunk: int) ->
         return []
     t0 = time.perf_counter()
     every = [s.prefilling and s.prompt_logprobs is not None for s in taking]
-    outs = model.decoder.forward_batch(ids, [s.state for s in taking], model.ctx, every)
+    try:
+        outs = model.decoder.forward_batch(ids, [s.state for s in taking], model.ctx, every)
+    except Exception as e:
+        for s in taking:
+            s.error, s.done, s.token = e, True, None
+        return taking
     seconds = time.perf_counter() - t0
     for s, x, logits in zip(taking, ids, outs, strict=True):
-        s._took(x, logits, seconds)
+        try:
+            s._took(x, logits, seconds)
+        except Exception as e:
+            s.error, s.done, s.token = e, True, None
     return taking

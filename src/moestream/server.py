@@ -184,7 +184,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, or ids; a list of one (as harnesses send)
     max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt only
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -317,6 +317,7 @@ class Engine:
             raise InputError(f"--max-batch must be at least 1, got {max_batch}")
         self.model, self.name, self.ctx, self.max_tokens = model, name, ctx, max_tokens
         self.max_batch = max_batch
+        self._token_bytes: dict[int, bytes] = {}
         self.template: ChatTemplate = load_template(model)
         self.created = int(time.time())
         self._changed = threading.Condition()  # guards the three below
@@ -329,10 +330,15 @@ class Engine:
         self._thread.start()
 
     def token_bytes(self, token: int) -> bytes:
-        """A token's bytes (a byte-level token may hold part of a character)."""
-        tok = self.model._need_tokenizer()
-        decode_bytes = getattr(tok, "decode_bytes", None)
-        return decode_bytes([token]) if decode_bytes is not None else tok.decode([token]).encode()
+        """A token's bytes (a byte-level token may hold part of a character); remembered, as logprobs ask for
+        the same ids again and again."""
+        got = self._token_bytes.get(token)
+        if got is None:
+            tok = self.model._need_tokenizer()
+            decode_bytes = getattr(tok, "decode_bytes", None)
+            got = decode_bytes([token]) if decode_bytes is not None else tok.decode([token]).encode()
+            self._token_bytes[token] = got
+        return got
 
     def token_text(self, token: int) -> str:
         """A token as text: its bytes as UTF-8, an incomplete character as U+FFFD."""
@@ -402,8 +408,12 @@ class Engine:
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(400, "max_tokens may be 0 only with echo (to score the prompt)", "max_tokens")
         p = req.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], list):
+            p = p[0]  # one prompt of ids in a list, as evaluation harnesses send it
+        if isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+            raise ApiError(400, "a batch of prompts is not supported; send one prompt", "prompt")
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            ids = [int(x) for x in p]
+            ids = [x for x in p if isinstance(x, int)]
         else:
             if isinstance(p, list) and len(p) != 1:
                 raise ApiError(400, "a batch of prompts is not supported; send one prompt", "prompt")
@@ -531,14 +541,15 @@ class Engine:
                 self._end(a, None)
             if not active:
                 continue
-            try:
-                took = {id(s) for s in step(self.model, [a.seq for a in active], PREFILL_CHUNK, PREFILL_CHUNK)}
-                for a in [a for a in active if id(a.seq) in took]:
+            took = {id(s) for s in step(self.model, [a.seq for a in active], PREFILL_CHUNK, PREFILL_CHUNK)}
+            for a in [a for a in active if id(a.seq) in took]:
+                try:  # a job that fails ends alone; the others in its step go on
+                    if a.seq.error is not None:
+                        raise a.seq.error
                     self._advance(a)
-            except Exception as e:  # every job in the step fails; the engine goes on with the next ones
-                error = as_api_error(e)
-                for a in list(active):
-                    self._end(a, Failed(error))
+                except Exception as e:
+                    if a in self._active:
+                        self._end(a, Failed(as_api_error(e)))
 
     def _admit(self) -> bool:
         """Moves waiting jobs into the batch while it has room; waits while there is nothing to do. False
@@ -547,8 +558,12 @@ class Engine:
             while not self._stopping:
                 while self._queue and len(self._active) < self.max_batch:
                     job = self._queue.popleft()
-                    if not job.cancelled.is_set():
+                    if job.cancelled.is_set():
+                        continue
+                    try:
                         self._active.append(self._start(job))
+                    except Exception as e:  # this job cannot start; the engine goes on
+                        job.emit(Failed(as_api_error(e)))
                 if self._active:
                     return True
                 self._changed.wait()
@@ -567,7 +582,7 @@ class Engine:
             model.new_state(),
             frozenset(model.eos_ids),
             logprobs=job.logprobs,
-            prompt_logprobs=(job.logprobs or 0) if job.echo is not None else None,
+            prompt_logprobs=job.logprobs if job.echo is not None else None,
             constraint=job.constraint,
             stats=stats,
         )
@@ -607,7 +622,10 @@ class Engine:
 
     def _ended(self, a: _Active) -> None:
         for listener in self.job_ended:  # before the end is sent: a client that then reads /metrics sees its job
-            listener(a.stats)
+            try:
+                listener(a.stats)
+            except Exception:  # the job's client is told how it ended all the same
+                log.exception("a job_ended listener failed")
 
 
 def _tool_fields(m: ChatMessage, as_mapping: bool) -> dict[str, Any]:
@@ -724,18 +742,34 @@ class _Logprobs:
         self.engine = engine
         self.offset = 0  # the completions shape's text_offset: where the next token's text begins
 
-    def completion(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
-        """The completions API's shape: parallel lists (a prompt's first token has None for its logprob)."""
-        text = self.engine.token_text
-        tokens = [text(e.token) for e in entries]
+    def completion(self, entries: list[TokenLogprobs], text: str) -> dict[str, Any]:
+        """The completions API's shape for the tokens that gave `text` (the next part of the choice's text):
+        parallel lists (a prompt's first token has None); each token's alternatives with the token itself
+        among them, as the API defines them; text_offset where each token's text begins in the choice's
+        text (a token with no text of its own there, such as a BOS or part of a character, at the point
+        reached)."""
+        token_text = self.engine.token_text
+        tokens = [token_text(e.token) for e in entries]
         offsets = []
+        start, at = self.offset, 0
         for t in tokens:
-            offsets.append(self.offset)
-            self.offset += len(t)
+            found = text.find(t, at) if t else -1
+            if found >= 0 and "\ufffd" not in t:
+                offsets.append(start + found)
+                at = found + len(t)
+            else:
+                offsets.append(start + at)
+        self.offset = start + len(text)
+
+        def top(e: TokenLogprobs) -> dict[str, float] | None:
+            if e.logprob is None:
+                return None
+            return {token_text(e.token): e.logprob} | {token_text(i): lp for i, lp in e.top if i != e.token}
+
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.logprob is None else {text(i): lp for i, lp in e.top} for e in entries],
+            "top_logprobs": [top(e) for e in entries],
             "text_offset": offsets,
         }
 
@@ -835,15 +869,15 @@ def create_app(engine: Engine, docs: bool = False) -> Any:
         base = {"id": rid, "object": "text_completion", "created": created, "model": engine.name}
         scores = _Logprobs(engine) if req.logprobs is not None else None
 
-        def logprobs(entries: list[TokenLogprobs]) -> dict[str, Any] | None:
-            return scores.completion(entries) if scores is not None else None
+        def logprobs(entries: list[TokenLogprobs], text: str) -> dict[str, Any] | None:
+            return scores.completion(entries, text) if scores is not None else None
 
         listener = _Listener(engine, job)
         if req.stream:
 
             def chunks(event: Piece | Finished) -> list[dict[str, Any]]:
                 text, finish = (event.text, None) if isinstance(event, Piece) else ("", event.finish_reason)
-                choice = {"index": 0, "text": text, "logprobs": logprobs(event.logprobs), "finish_reason": finish}
+                choice = {"index": 0, "text": text, "logprobs": logprobs(event.logprobs, text), "finish_reason": finish}
                 return [{**base, "choices": [choice]}]
 
             events = _sse_stream(listener, chunks, _usage_chunk(base, req), [])
@@ -851,7 +885,7 @@ def create_app(engine: Engine, docs: bool = False) -> Any:
         pieces, end = await _whole(request, listener)
         text = "".join(p.text for p in pieces)
         entries = [e for p in pieces for e in p.logprobs] + end.logprobs
-        choice = {"index": 0, "text": text, "logprobs": logprobs(entries), "finish_reason": end.finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs(entries, text), "finish_reason": end.finish_reason}
         return {**base, "choices": [choice], "usage": _usage(end.stats)}
 
     @app.post("/v1/chat/completions", response_model=None)
