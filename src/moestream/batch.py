@@ -20,10 +20,11 @@ import numpy as np
 
 from .runtime.integrity import check_logits
 from .sampling import Sampler, SamplingParams
+from .speculative import OFF, DraftLength, PromptLookup, Speculation, SpeculationStats, choose
 
 if TYPE_CHECKING:
     from .generate import GenerationStats, Model
-    from .models.base import State
+    from .models.base import Ctx, State
 
 
 class LogitsConstraint(Protocol):
@@ -73,9 +74,10 @@ def logprobs_of(logits: np.ndarray, tokens: list[int], top: int) -> list[TokenLo
 
 @dataclass
 class Sequence:
-    """One request's generation (see the module's text). After each step that gives it a token, `token` holds
-    it (and `logprobs` its TokenLogprobs when asked for); `done` once it chose an end-of-text id, reached
-    max_new_tokens or its constraint finished."""
+    """One request's generation (see the module's text). After each step that gives it tokens, `new` holds
+    them (one, or several when speculation's drafts were accepted: speculative.py) and `new_logprobs` their
+    TokenLogprobs when asked for; `token` is the last of them. `done` once it chose an end-of-text id,
+    reached max_new_tokens or its constraint finished. The state then holds every token but the last."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -87,12 +89,16 @@ class Sequence:
     constraint: LogitsConstraint | None = None
     stats: GenerationStats | None = None
     logits_out: list[np.ndarray] | None = None  # receives the logits [V] each token was chosen from
+    speculation: Speculation = OFF
     sampler: Sampler = field(init=False)
     history: list[int] = field(init=False)  # what the sampler's penalties look back on
     fed: int = 0  # prompt tokens fed so far
     generated: list[int] = field(default_factory=list)
     token: int | None = None
-    token_logprobs: TokenLogprobs | None = None
+    new: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # the drafts the next (or running) step verifies
+    spec_stats: SpeculationStats = field(default_factory=SpeculationStats)
     prompt_scores: list[TokenLogprobs] = field(default_factory=list)
     done: bool = False
     error: Exception | None = None  # why this sequence failed (the others in its steps go on)
@@ -101,20 +107,39 @@ class Sequence:
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.sampling)
         self.history = list(self.state.ids) + list(self.prompt)
+        self.lookup = PromptLookup(self.history, self.speculation.ngram_min) if self.speculation.on else None
+        self.draft_length = DraftLength(self.speculation)
 
     @property
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
 
+    @property
+    def token_logprobs(self) -> TokenLogprobs | None:
+        """The last new token's TokenLogprobs (when asked for)."""
+        return self.new_logprobs[-1] if self.new_logprobs else None
+
+    @property
+    def stepwise(self) -> bool:
+        """Whether the next input is a token and drafts to verify (one-token decoding's bits per position)."""
+        return not self.prefilling and bool(self.drafts)
+
     def next_input(self, chunk: int) -> list[int]:
         if self.prefilling:
             return self.prompt[self.fed : self.fed + chunk]
         assert self.token is not None and not self.done
-        return [self.token]
+        self.drafts = []
+        if self.lookup is not None:
+            room = self.max_new_tokens - len(self.generated) - 1  # no draft past the last token wanted
+            k = min(self.draft_length.next(), room)
+            self.drafts = self.lookup.propose(k) if k > 0 else []
+        return [self.token, *self.drafts]
 
-    def _took(self, ids: list[int], logits: np.ndarray, seconds: float) -> None:
-        """The step fed ids and gave logits ([len(ids), V] when prompt logprobs are wanted, else [1, V])."""
-        if self.prefilling:
+    def _took(self, ids: list[int], logits: np.ndarray, seconds: float, ctx: Ctx) -> None:
+        """The step fed ids and gave logits ([len(ids), V] when prompt logprobs are wanted or drafts were
+        verified, else [1, V])."""
+        from_prompt = self.prefilling
+        if from_prompt:
             first = self.fed == 0 and len(self.state.ids) == len(ids)  # nothing before the prompt
             if self.prompt_logprobs is not None:
                 # row i scores the prompt's next token; the prompt's first token is scored by nothing
@@ -127,24 +152,51 @@ class Sequence:
                 self.stats.prefill_seconds += seconds
             if self.prefilling or self.max_new_tokens == 0:  # 0: the prompt scored, nothing generated
                 self.token = None
+                self.new, self.new_logprobs = [], []
                 self.done = not self.prefilling
                 return
         elif self.stats is not None:
             self.stats.decode_seconds += seconds
-        raw = logits[-1]  # [V]
+        self.new, self.new_logprobs = [], []
+        drafts = [] if from_prompt else self.drafts
+        self.drafts = []
+        accepted = 0
+        for i, raw in enumerate(logits if drafts else logits[-1:]):  # [1 + drafts, V]
+            draft = drafts[i] if i < len(drafts) else None
+            self._choose(raw, draft)
+            if self.done or draft is None or self.token != draft:
+                break
+            accepted += 1
+        if drafts:  # the positions past the last kept token go back out of the state
+            self.state.rewind(len(self.history) - 1, ctx)
+        if not from_prompt:
+            st = self.spec_stats
+            st.passes += 1
+            st.tokens += len(self.new)
+            if drafts:
+                st.drafted_passes += 1
+                st.proposed += len(drafts)
+                st.accepted += accepted
+            self.draft_length.update(len(drafts), accepted)
+        if self.lookup is not None:
+            self.lookup.extend(self.new)
+
+    def _choose(self, raw: np.ndarray, draft: int | None) -> None:
+        """Chooses the token at one position from its logits raw [V] (draft: the token a draft puts there)."""
         check_logits(raw, len(self.history) - 1)
         allowed = raw
         if self.constraint is not None:
             allowed = raw.copy()
             self.constraint.mask(allowed)
-        token = self.sampler.sample(allowed, self.history)
+        token = choose(self.sampler, allowed, self.history, draft)
         if self.logits_out is not None:
             self.logits_out.append(raw)
         if self.constraint is not None:
             self.constraint.accept(token)
         if self.logprobs is not None:
-            self.token_logprobs = logprobs_of(raw[None], [token], self.logprobs)[0]
+            self.new_logprobs.append(logprobs_of(raw[None], [token], self.logprobs)[0])
         self.token = token
+        self.new.append(token)
         self.generated.append(token)
         self.history.append(token)
         if self.stats is not None:
@@ -179,9 +231,10 @@ def step(model: Model, seqs: list[Sequence], prefill_tokens: int, chunk: int) ->
     if not taking:
         return []
     t0 = time.perf_counter()
-    every = [s.prefilling and s.prompt_logprobs is not None for s in taking]
+    every = [(s.prefilling and s.prompt_logprobs is not None) or s.stepwise for s in taking]
+    stepwise = [s.stepwise for s in taking]
     try:
-        outs = model.decoder.forward_batch(ids, [s.state for s in taking], model.ctx, every)
+        outs = model.decoder.forward_batch(ids, [s.state for s in taking], model.ctx, every, stepwise)
     except Exception as e:
         for s in taking:
             s.error, s.done, s.token = e, True, None
@@ -189,7 +242,7 @@ def step(model: Model, seqs: list[Sequence], prefill_tokens: int, chunk: int) ->
     seconds = time.perf_counter() - t0
     for s, x, logits in zip(taking, ids, outs, strict=True):
         try:
-            s._took(x, logits, seconds)
+            s._took(x, logits, seconds, model.ctx)
         except Exception as e:
             s.error, s.done, s.token = e, True, None
     return taking

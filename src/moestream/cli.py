@@ -22,6 +22,7 @@ from .config import MAX_VOCAB
 from .console import LiveStatus
 from .errors import InputError, MoeStreamError
 from .sampling import SEED_MAX
+from .speculative import Speculation
 
 
 class _Parser(argparse.ArgumentParser):
@@ -278,6 +279,16 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_speculate_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculate",
+        default="auto",
+        metavar="auto|off|K",
+        help="verify tokens drafted from the prompt and output so far, several per pass: auto (default) chooses "
+        "the draft length from the acceptance so far, K drafts up to K tokens; greedy output is the same",
+    )
+
+
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     from .runtime.policies import DEFAULT_POLICY, POLICIES
 
@@ -335,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         "that leaves no room is refused (default: no limit)",
     )
     add_threads_arg(r)
+    add_speculate_arg(r)
     r.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (checking)")
     r.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-text token")
     r.add_argument("--no-bos", action="store_true", help="do not add the BOS token to a text prompt")
@@ -385,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ctx", "-c", type=_int_at_least(1), default=4096, help="most tokens in the conversation (default 4096)"
     )
     add_threads_arg(c)
+    add_speculate_arg(c)
     c.add_argument("--verbose", "-v", action="store_true", help="after each reply, the tokens prefilled and tok/s")
     c.add_argument(
         "--allow-special-in-content",
@@ -451,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log to stderr from this level; info adds an access log line per request (default warning)",
     )
     add_threads_arg(v)
+    add_speculate_arg(v)
     add_memory_args(v)
 
     d = sub.add_parser(
@@ -608,7 +622,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         planner.print_presets()
         return 0
     budget = planner.resolve_budget(args.ram, args.preset)
+    speculation = Speculation.parse(args.speculate)
     model = load(args.model, threads=args.threads, preload=False if (args.no_preload or budget is not None) else None)
+    model.speculation = speculation
     name = model.name
     sampling = sampling_from_args(args, model.generation)
     state = model.new_state()
@@ -728,6 +744,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"{r['bytes_read_per_token'] / 1e6:.1f} MB read per token at {r['read_mb_s']:.0f} MB/s, "
                 f"prefetch accuracy {100 * r['prefetch_accuracy']:.1f}%, {r['read_seconds_hidden']:.2f} s of "
                 f"{r['read_seconds']:.2f} s reading hidden | peak RSS {report['peak_rss'] / 2**20:.1f} MB",
+                file=sys.stderr,
+            )
+        sp = report["speculation"]
+        if sp["drafts_proposed"]:
+            print(
+                f"speculation {sp['mode']}: {sp['drafts_accepted']} of {sp['drafts_proposed']} drafts accepted, "
+                f"{sp['tokens_per_pass']:.2f} tokens per decoding pass",
                 file=sys.stderr,
             )
     return 0

@@ -35,6 +35,7 @@ from .runtime.planner import mem_available
 from .runtime.streaming import Streaming
 from .sampling import GREEDY, Sampler, SamplingParams, StopMatcher
 from .sources import Source
+from .speculative import AUTO, Speculation, SpeculationStats
 from .tokenizer import Tokenizer, load_tokenizer
 
 # Prompts are prefilled in chunks of this many tokens, at every budget and when resident, so that the
@@ -89,6 +90,8 @@ class Model:
         self.source: Source | None = None
         self.streaming: Streaming | None = None  # the budget's expert cache and trunk streaming, if any
         self.generation: GenerationDefaults | None = None  # generation_config.json's defaults, if any
+        self.speculation: Speculation = AUTO  # generate's and the server's default (speculative.py)
+        self.speculation_stats = SpeculationStats()  # over every generation so far
 
     # ---- memory ----------------------------------------------------------------------------------
 
@@ -147,6 +150,7 @@ class Model:
             st["read_mb_s"] = st["bytes_read"] / 1e6 / st["read_seconds"] if st["read_seconds"] else 0.0
             rep["streaming"] = st
             rep["plan"] = self.streaming.plan.as_dict()
+        rep["speculation"] = {"mode": str(self.speculation), **self.speculation_stats.as_dict()}
         return rep
 
     def close(self) -> None:
@@ -227,28 +231,68 @@ class Model:
         state: State | None = None,
         stats: GenerationStats | None = None,
         progress: bool | None = False,
+        speculate: str | int | Speculation | None = None,
     ) -> Generator[int, None, None]:
         """Generation, yielding token ids as they are chosen: greedy unless sampling says otherwise. With a
-        state the prompt continues it (only the prompt is prefilled) and the state keeps everything fed.
-        With use_cache=False every step recomputes the whole sequence (for checking). logits_out, if
-        given, receives the logits [vocab] each token was chosen from; stats, if given, is filled in as
-        generation goes; progress shows a bar over the layers for a long prefill (None: on a terminal)."""
+        state the prompt continues it (only the prompt is prefilled) and the state keeps everything fed
+        (every token but the last yielded, also when the caller stops early). speculate: 'auto', 'off' or
+        a draft length (None: the model's `speculation`, auto unless set); greedy output is the same either
+        way (speculative.py). With use_cache=False every step recomputes the whole sequence (for checking).
+        logits_out, if given, receives the logits [vocab] each token was chosen from; stats, if given, is
+        filled in as generation goes; progress shows a bar over the layers for a long prefill (None: on a
+        terminal)."""
+        from .batch import Sequence, step
+
         ids = self.tokenize(prompt) if isinstance(prompt, str) else self.check_ids(prompt)
         if max_new_tokens <= 0:
             return
-        sampler = Sampler(sampling or GREEDY)
-        eos = set(self.eos_ids) if stop_at_eos else set()
-        st = state if state is not None else self.new_state()
+        eos = frozenset(self.eos_ids) if stop_at_eos else frozenset()
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(ids)
-        seq = list(st.ids) + ids
-        t0 = time.perf_counter()
+        if not use_cache:
+            yield from self._generate_uncached(ids, max_new_tokens, sampling or GREEDY, eos, logits_out, stats)
+            return
+        spec = self.speculation if speculate is None else Speculation.parse(speculate)
+        st = state if state is not None else self.new_state()
+        seq = Sequence(
+            ids, max_new_tokens, sampling or GREEDY, st, eos, stats=stats, logits_out=logits_out, speculation=spec
+        )
         with prefill_progress(self.decoder, len(ids), progress, passes=-(-len(ids) // PREFILL_CHUNK)):
-            if use_cache:
-                for c in range(0, len(ids), PREFILL_CHUNK):
-                    logits = self.decoder.forward(ids[c : c + PREFILL_CHUNK], st, self.ctx)[0]
-            else:
-                logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
+            while seq.prefilling:
+                step(self, [seq], PREFILL_CHUNK, PREFILL_CHUNK)
+                if seq.error is not None:
+                    raise seq.error
+        while True:
+            new = list(seq.new)
+            for i, token in enumerate(new):
+                try:
+                    yield token
+                except GeneratorExit:  # the caller stops at this token: the state holds every one before it
+                    st.rewind(len(seq.history) - len(new) + i, self.ctx)
+                    stats.generated_tokens = len(seq.generated) - (len(new) - 1 - i)
+                    self.speculation_stats.add(seq.spec_stats)
+                    raise
+            if seq.done:
+                break
+            step(self, [seq], PREFILL_CHUNK, PREFILL_CHUNK)
+            if seq.error is not None:
+                raise seq.error
+        self.speculation_stats.add(seq.spec_stats)
+
+    def _generate_uncached(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        eos: frozenset[int],
+        logits_out: list[np.ndarray] | None,
+        stats: GenerationStats,
+    ) -> Generator[int, None, None]:
+        """generate(use_cache=False): every token from the whole sequence recomputed from scratch."""
+        sampler = Sampler(sampling)
+        seq = list(ids)
+        t0 = time.perf_counter()
+        logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
         stats.prefill_seconds = time.perf_counter() - t0
         for n in range(max_new_tokens):
             check_logits(logits, len(seq) - 1)
@@ -261,10 +305,7 @@ class Model:
             if token in eos or n == max_new_tokens - 1:
                 return
             t1 = time.perf_counter()
-            if use_cache:
-                logits = self.decoder.forward([token], st, self.ctx)[0]
-            else:
-                logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
+            logits = self.decoder.forward(seq, self.new_state(), self.ctx)[0]
             stats.decode_seconds += time.perf_counter() - t1
 
     def generate_batch(
@@ -288,7 +329,10 @@ class Model:
         if len(per) != len(ids):
             raise InputError(f"{len(per)} sampling settings for {len(ids)} prompts")
         eos = frozenset(self.eos_ids) if stop_at_eos else frozenset()
-        seqs = [Sequence(p, max_new_tokens, s, self.new_state(), eos) for p, s in zip(ids, per, strict=True)]
+        seqs = [
+            Sequence(p, max_new_tokens, s, self.new_state(), eos, speculation=self.speculation)
+            for p, s in zip(ids, per, strict=True)
+        ]
         if max_new_tokens <= 0:
             return [[] for _ in seqs]
         waiting = list(seqs)
@@ -441,6 +485,7 @@ def load(
     prefetch: bool = True,
     progress: bool = True,
     sequences: int = 1,
+    speculate: str | int | Speculation | None = None,
 ) -> Model:
     """Opens a model: a checkpoint directory (config.json + safetensors + tokenizer), a packed store, a
     .gguf file (or the first part of a split one), a Hugging Face repo id (`org/name`, `org/name@rev`,
@@ -452,9 +497,11 @@ def load(
     preset name such as "laptop"), the model runs within that budget for contexts of up to `context`
     tokens: the same planner, the same report and the same bytes out as `--ram` (model.streaming, and
     model.close() when done); `sequences`: how many sequences at once the budget must hold state for (a
-    server's --max-batch)."""
+    server's --max-batch); speculate: generation's default speculation (speculative.py: 'auto' unless
+    given, 'off', or a draft length)."""
     from .sources import resolve
 
+    speculation = Speculation.parse(speculate)
     src = resolve(source, progress=progress)
     budget = _budget(ram)
     store = open_store(src, False if budget is not None else preload)
@@ -467,6 +514,7 @@ def load(
     model = Model(src.path, spec, decoder, tok, n)
     model.store, model.source = store, src
     model.generation = read_generation_config(src.path)
+    model.speculation = speculation
     if isinstance(store, PackedStore):
         install_resident_checks(decoder, store)
     else:  # the packed store registers its own maps
@@ -490,6 +538,7 @@ def load_from_args(args: argparse.Namespace, *, chat: bool = False) -> Model:
         cache_policy=args.cache_policy,
         prefetch=not args.no_prefetch,
         sequences=getattr(args, "max_batch", 1),
+        speculate=getattr(args, "speculate", None),
     )
     if chat and model.tokenizer is None:
         model.close()

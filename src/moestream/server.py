@@ -585,6 +585,7 @@ class Engine:
             prompt_logprobs=job.logprobs if job.echo is not None else None,
             constraint=job.constraint,
             stats=stats,
+            speculation=model.speculation,
         )
         text = TextTail(model._need_tokenizer(), job.sampling.stop, frozenset(model.eos_ids))
         return _Active(job, seq, text, stats)
@@ -595,13 +596,16 @@ class Engine:
         if job.echo is not None and not seq.prefilling and not a.echoed:  # the prompt, scored, comes first
             job.emit(Piece(job.echo, seq.prompt_scores if job.logprobs is not None else [], prompt=True))
             a.echoed = True
-        if seq.token is not None:
-            if seq.token_logprobs is not None and seq.token not in a.text.eos:
-                a.unsent.append(seq.token_logprobs)
-            piece = a.text.feed(seq.token)
+        for i, token in enumerate(seq.new):  # one token, or several when drafts were accepted
+            if seq.new_logprobs and token not in a.text.eos:
+                a.unsent.append(seq.new_logprobs[i])
+            piece = a.text.feed(token)
             if piece:
                 job.emit(Piece(piece, a.unsent))
                 a.unsent = []
+            if a.text.done:  # tokens drafted past a stop string were never sent: they do not count
+                a.stats.generated_tokens -= len(seq.new) - 1 - i
+                break
         if seq.done and job.constraint is not None and job.constraint.finished:
             a.text.finish_reason = "stop"  # the output is whole: the grammar allows nothing more
         if a.text.done or seq.done:
@@ -621,6 +625,7 @@ class Engine:
             a.job.emit(end)
 
     def _ended(self, a: _Active) -> None:
+        self.model.speculation_stats.add(a.seq.spec_stats)
         for listener in self.job_ended:  # before the end is sent: a client that then reads /metrics sees its job
             try:
                 listener(a.stats)

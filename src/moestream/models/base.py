@@ -256,7 +256,12 @@ class Rope:
 
 
 class Cache(Protocol):
+    """What every attention's cache has: the positions it holds, and a way back to fewer of them (a rejected
+    speculative draft is taken back out)."""
+
     length: int
+
+    def rewind(self, length: int, ctx: Ctx) -> None: ...
 
 
 def _grow(buf: np.ndarray, axis: int, need: int) -> np.ndarray:
@@ -292,6 +297,11 @@ class KVCache:
         self.v[:, self.length : n] = v.transpose(1, 0, 2)
         self.length = n
         return self.k[:, :n], self.v[:, :n]
+
+    def rewind(self, length: int, ctx: Ctx) -> None:
+        """Keeps the first `length` positions (the rest is overwritten by the next append)."""
+        assert 0 <= length <= self.length
+        self.length = length
 
 
 # Prefill attention takes the queries of this many positions at a time (per key/value head): their
@@ -450,6 +460,11 @@ class LatentCache:
         self.kr[self.length : n] = kr
         self.length = n
         return self.c[:n], self.kr[:n]
+
+    def rewind(self, length: int, ctx: Ctx) -> None:
+        """Keeps the first `length` positions (the rest is overwritten by the next append)."""
+        assert 0 <= length <= self.length
+        self.length = length
 
 
 class MLAttention:
@@ -927,9 +942,13 @@ class Rows:
     flat_ids: np.ndarray  # [T] int64: every sequence's ids, one after another
     head: np.ndarray  # [R] int64: the rows the head computes logits for
     head_spans: list[slice]  # sequence i's logits are head_spans[i] of the head's output
+    # stepwise[i]: sequence i's positions are successive decode steps (a speculative draft under
+    # verification), each attended as if it came alone, so that its logits have the bits one-token
+    # decoding gives them; otherwise they are a prompt chunk, attended in one pass
+    stepwise: list[bool]
 
     @classmethod
-    def of(cls, ids: list[list[int]], all_logits: list[bool] | None = None) -> Rows:
+    def of(cls, ids: list[list[int]], all_logits: list[bool] | None = None, stepwise: list[bool] | None = None) -> Rows:
         every = all_logits or [False] * len(ids)
         spans: list[slice] = []
         head: list[int] = []
@@ -944,7 +963,10 @@ class Rows:
             head.extend(picked)
             t += len(seq)
         flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, count=t)
-        return cls(spans, flat, np.asarray(head, np.int64), head_spans)
+        steps = stepwise or [False] * len(ids)
+        if len(steps) != len(ids):
+            raise ValueError("one stepwise flag per sequence")
+        return cls(spans, flat, np.asarray(head, np.int64), head_spans, steps)
 
     def split_head(self, logits: np.ndarray) -> list[np.ndarray]:
         return [logits[s] for s in self.head_spans]
@@ -962,17 +984,23 @@ class SplitAttention(Protocol):
 
 
 def attend(attn: Attention, x: np.ndarray, rows: Rows, caches: list[Any], ctx: Ctx) -> np.ndarray:
-    """attn over each sequence's rows of x [T, E] with that sequence's cache, as if each came alone."""
-    if len(caches) == 1:
+    """attn over each sequence's rows of x [T, E] with that sequence's cache, as if each came alone (a
+    stepwise sequence's rows one position at a time, as decoding feeds them)."""
+    if len(caches) == 1 and not rows.stepwise[0]:
         return attn(x, caches[0], ctx)
-    if hasattr(attn, "mix"):
-        split = cast(SplitAttention, attn)
-        projected = split.project(x, ctx)
-        mixed = [
-            split.mix(tuple(a[span] for a in projected), c, ctx) for span, c in zip(rows.spans, caches, strict=True)
-        ]
-        return split.output(np.concatenate(mixed), x, ctx)
-    return np.concatenate([attn(x[span], cache, ctx) for span, cache in zip(rows.spans, caches, strict=True)])
+    split = cast(SplitAttention, attn)
+    projected = split.project(x, ctx)
+    mixed = []
+    for span, cache, stepwise in zip(rows.spans, caches, rows.stepwise, strict=True):
+        mine = tuple(a[span] for a in projected)
+        if not stepwise:
+            mixed.append(split.mix(mine, cache, ctx))
+            continue
+        remember = getattr(cache, "remember", None)
+        if remember is not None:  # a recurrent state cannot be cut back: it keeps what rewind replays
+            remember(split, mine)
+        mixed.extend(split.mix(tuple(a[r : r + 1] for a in mine), cache, ctx) for r in range(span.stop - span.start))
+    return split.output(np.concatenate(mixed), x, ctx)
 
 
 @dataclass
@@ -999,6 +1027,15 @@ class State:
     def length(self) -> int:
         return len(self.ids)
 
+    def rewind(self, length: int, ctx: Ctx) -> None:
+        """Takes the positions from `length` on back out (rejected speculative drafts): the state is then
+        bit for bit what feeding only the first `length` ids gave."""
+        if not 0 <= length <= len(self.ids):
+            raise ValueError(f"cannot rewind {len(self.ids)} positions to {length}")
+        for cache in self.caches:
+            cache.rewind(length, ctx)
+        del self.ids[length:]
+
 
 class Model(Protocol):
     """What generation needs from an architecture's network."""
@@ -1010,7 +1047,12 @@ class Model(Protocol):
     def forward(self, ids: list[int], state: State, ctx: Ctx, all_logits: bool = False) -> np.ndarray: ...
 
     def forward_batch(
-        self, ids: list[list[int]], states: list[State], ctx: Ctx, all_logits: list[bool] | None = None
+        self,
+        ids: list[list[int]],
+        states: list[State],
+        ctx: Ctx,
+        all_logits: list[bool] | None = None,
+        stepwise: list[bool] | None = None,
     ) -> list[np.ndarray]: ...
 
 
@@ -1038,11 +1080,16 @@ class Decoder:
         return self.forward_batch([ids], [state], ctx, [all_logits])[0]
 
     def forward_batch(
-        self, ids: list[list[int]], states: list[State], ctx: Ctx, all_logits: list[bool] | None = None
+        self,
+        ids: list[list[int]],
+        states: list[State],
+        ctx: Ctx,
+        all_logits: list[bool] | None = None,
+        stepwise: list[bool] | None = None,
     ) -> list[np.ndarray]:
         """One step over several sequences: ids[i] continues states[i]; each sequence's logits as forward
         gives them alone (Rows)."""
-        rows = Rows.of(ids, all_logits)
+        rows = Rows.of(ids, all_logits, stepwise)
         hooks = self.hooks
         if hooks:
             hooks.enter("embed")

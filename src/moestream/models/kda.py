@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +25,30 @@ class KDAState:
     conv: np.ndarray
     S: np.ndarray
     length: int = 0
+
+    def __post_init__(self) -> None:
+        # what rewind needs: the state before a run of speculative positions and their projected inputs
+        # (not a field: state files hold the fields)
+        self.saved: tuple[np.ndarray, np.ndarray, int, Any, tuple[np.ndarray, ...]] | None = None
+
+    def remember(self, attn: Any, projected: tuple[np.ndarray, ...]) -> None:
+        """Called before attn mixes the positions of `projected` one at a time: the recurrence cannot be run
+        backwards, so rewind restores this copy and mixes the positions it keeps again."""
+        self.saved = (self.conv.copy(), self.S.copy(), self.length, attn, tuple(a.copy() for a in projected))
+
+    def rewind(self, length: int, ctx: Ctx) -> None:
+        """Back to `length` positions, which must lie within the last remembered run."""
+        if length == self.length:
+            return
+        saved = self.saved
+        if saved is None or not saved[2] <= length <= min(self.length, saved[2] + saved[4][0].shape[0]):
+            raise ValueError(f"a KDA state at {self.length} positions cannot go back to {length}")
+        conv, S, start, attn, projected = saved
+        self.conv, self.S, self.length = conv.copy(), S.copy(), start
+        for r in range(length - start):  # one at a time, as they were mixed: the same bits
+            attn.mix(tuple(a[r : r + 1] for a in projected), self, ctx)
+        # positions past `length` are gone: a later rewind may only go back within what is still here
+        self.saved = (conv, S, start, attn, tuple(a[: length - start] for a in projected))
 
 
 def softplus(x: np.ndarray) -> np.ndarray:

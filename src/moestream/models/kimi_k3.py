@@ -270,10 +270,15 @@ class K3Decoder:
         return self.forward_batch([ids], [state], ctx, [all_logits])[0]
 
     def forward_batch(
-        self, ids: list[list[int]], states: list[State], ctx: Ctx, all_logits: list[bool] | None = None
+        self,
+        ids: list[list[int]],
+        states: list[State],
+        ctx: Ctx,
+        all_logits: list[bool] | None = None,
+        stepwise: list[bool] | None = None,
     ) -> list[np.ndarray]:
         """One step over several sequences, each row as it would be alone (base.Rows)."""
-        rows = Rows.of(ids, all_logits)
+        rows = Rows.of(ids, all_logits, stepwise)
         eps, hooks = self.eps, self.hooks
         if hooks:
             hooks.enter("embed")
