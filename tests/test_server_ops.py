@@ -206,6 +206,10 @@ def test_metrics_move_by_exactly_the_requests_served(guarded):
     assert moved("moestream_prompt_tokens_total") == one.usage.prompt_tokens + two.prompt_tokens
     assert moved("moestream_generated_tokens_total") == one.usage.completion_tokens + two.completion_tokens
     assert moved("moestream_prefill_seconds_total") > 0 and moved("moestream_decode_seconds_total") > 0
+    # every token after a job's first came from a decoding pass: one each, plus the drafts it accepted
+    passes, accepted = moved("moestream_decode_passes_total"), moved("moestream_draft_tokens_accepted_total")
+    assert passes > 0 and 0 <= accepted <= moved("moestream_draft_tokens_total")
+    assert passes + accepted == moved("moestream_generated_tokens_total") - 2
     assert after[("moestream_decode_tokens_per_second", ())] > 0
     assert after[("moestream_queue_depth", ())] == 0 and after[("moestream_batch_size", ())] == 0
     assert after[("moestream_requests_in_flight", ())] == 1  # the scrape itself

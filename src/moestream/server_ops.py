@@ -133,6 +133,7 @@ class ServerMetrics:
             "moestream_prefill_tokens_per_second", "Prefill rate of the last job that prefilled", registry=reg
         )
         reg.register(_StreamingCollector(engine))
+        reg.register(_SpeculationCollector(engine))
         engine.job_ended.append(self.job_ended)
 
     def job_ended(self, stats: GenerationStats) -> None:
@@ -152,6 +153,24 @@ class ServerMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+class _SpeculationCollector:
+    """Speculative decoding over the jobs that ended (speculative.py), read at each scrape."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        st = self.engine.model.speculation_stats
+        yield CounterMetricFamily("moestream_decode_passes", "Decoding passes (1+ tokens each)", st.passes)
+        yield CounterMetricFamily("moestream_draft_tokens", "Draft tokens proposed for verification", st.proposed)
+        yield CounterMetricFamily("moestream_draft_tokens_accepted", "Draft tokens the model accepted", st.accepted)
 
 
 class _StreamingCollector:
