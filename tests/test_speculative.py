@@ -50,13 +50,13 @@ def assert_same(a, b):
 
 def test_prompt_lookup_copies_what_followed_the_latest_longest_match():
     look = PromptLookup([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
-    assert look.propose(3) == [9, 2, 6]  # "6 7" last came before 9 (not before 8)
+    assert look.propose(None, 3) == [9, 2, 6]  # "6 7" last came before 9 (not before 8)
     look.extend([9])
-    assert look.propose(2) == [2, 6]  # "6 7 9" is the longest suffix seen before
-    assert look.propose(0) == []
-    assert PromptLookup([1, 2, 3]).propose(4) == []  # 3 never came before
-    assert PromptLookup([4, 1, 4], ngram_min=2).propose(2) == []  # a single matching token is not enough
-    assert PromptLookup([4, 1, 4], ngram_min=1).propose(2) == [1, 4]  # ...unless allowed: up to the end
+    assert look.propose(None, 2) == [2, 6]  # "6 7 9" is the longest suffix seen before
+    assert look.propose(None, 0) == []
+    assert PromptLookup([1, 2, 3]).propose(None, 4) == []  # 3 never came before
+    assert PromptLookup([4, 1, 4], ngram_min=2).propose(None, 2) == []  # a single matching token is not enough
+    assert PromptLookup([4, 1, 4], ngram_min=1).propose(None, 2) == [1, 4]  # ...unless allowed: up to the end
 
 
 def test_speculation_settings_parse_and_refuse_bad_values():
@@ -290,3 +290,33 @@ def test_server_streams_the_same_text_with_speculation(speculate):
     finally:
         srv.should_exit = True
         th.join(timeout=10)
+
+
+# ---- a draft model ------------------------------------------------------------------------------------
+
+
+def test_a_draft_model_proposes_and_the_output_stays_exact():
+    model = moestream.load()
+    text = "def dedent(text):\n    "
+    plain = run(model, text, 40, "off")
+    model.use_draft(moestream.load())  # the model as its own draft: its drafts are (nearly) always right
+    got = run(model, text, 40, "4")
+    assert_same(got, plain)
+    assert got[2].accepted >= 0.9 * got[2].proposed > 0 and got[2].tokens >= 3 * got[2].passes
+    # sampled: the same seed gives the same tokens, batched or alone
+    s = SamplingParams(temperature=0.8, seed=5)
+    a = run(model, text, 20, "4", s)
+    spec = Speculation(4, False, model.speculation.draft)
+    seq = Sequence(model.tokenize(text), 20, s, model.new_state(), frozenset(), speculation=spec)
+    other = Sequence([5, 6, 7], 20, GREEDY, model.new_state(), frozenset(), speculation=spec)
+    while not seq.done:
+        step(model, [seq, other], PREFILL_CHUNK, PREFILL_CHUNK)
+    assert seq.generated == a[0]
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(small_case):
+    model = moestream.load()
+    with pytest.raises(InputError, match="draft"):
+        model.use_draft(small_case.path)
+    r = cli("run", "--prompt", "x", "--gen", "2", "--draft", str(small_case.path))
+    assert r.returncode == 2 and "--draft" in r.stderr and "Traceback" not in r.stderr

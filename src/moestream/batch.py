@@ -20,7 +20,7 @@ import numpy as np
 
 from .runtime.integrity import check_logits
 from .sampling import Sampler, SamplingParams
-from .speculative import OFF, DraftLength, PromptLookup, Speculation, SpeculationStats, choose
+from .speculative import OFF, DraftLength, Speculation, SpeculationStats, choose, drafter
 
 if TYPE_CHECKING:
     from .generate import GenerationStats, Model
@@ -107,7 +107,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.sampling)
         self.history = list(self.state.ids) + list(self.prompt)
-        self.lookup = PromptLookup(self.history, self.speculation.ngram_min) if self.speculation.on else None
+        self.drafter = drafter(self.speculation, self.history)
         self.draft_length = DraftLength(self.speculation)
 
     @property
@@ -129,10 +129,10 @@ class Sequence:
             return self.prompt[self.fed : self.fed + chunk]
         assert self.token is not None and not self.done
         self.drafts = []
-        if self.lookup is not None:
+        if self.drafter is not None:
             room = self.max_new_tokens - len(self.generated) - 1  # no draft past the last token wanted
             k = min(self.draft_length.next(), room)
-            self.drafts = self.lookup.propose(k) if k > 0 else []
+            self.drafts = self.drafter.propose(self.history, k) if k > 0 else []
         return [self.token, *self.drafts]
 
     def _took(self, ids: list[int], logits: np.ndarray, seconds: float, ctx: Ctx) -> None:
@@ -178,8 +178,8 @@ class Sequence:
                 st.proposed += len(drafts)
                 st.accepted += accepted
             self.draft_length.update(len(drafts), accepted)
-        if self.lookup is not None:
-            self.lookup.extend(self.new)
+        if self.drafter is not None:
+            self.drafter.extend(self.new)
 
     def _choose(self, raw: np.ndarray, draft: int | None) -> None:
         """Chooses the token at one position from its logits raw [V] (draft: the token a draft puts there)."""

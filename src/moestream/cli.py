@@ -287,6 +287,9 @@ def add_speculate_arg(p: argparse.ArgumentParser) -> None:
         help="verify tokens drafted from the prompt and output so far, several per pass: auto (default) chooses "
         "the draft length from the acceptance so far, K drafts up to K tokens; greedy output is the same",
     )
+    p.add_argument(
+        "--draft", metavar="MODEL", help="a smaller model with the same tokenizer that drafts (instead of the lookup)"
+    )
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
@@ -625,6 +628,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     speculation = Speculation.parse(args.speculate)
     model = load(args.model, threads=args.threads, preload=False if (args.no_preload or budget is not None) else None)
     model.speculation = speculation
+    if args.draft is not None:
+        model.use_draft(args.draft)
     name = model.name
     sampling = sampling_from_args(args, model.generation)
     state = model.new_state()

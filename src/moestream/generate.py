@@ -133,6 +133,17 @@ class Model:
         )
         return self.streaming
 
+    def use_draft(self, source: str | os.PathLike[str] | Model) -> Model:
+        """Speculation drafts with this smaller model (a source as load takes it, or a loaded Model) from now
+        on, instead of the prompt lookup; it must share this model's tokenizer (InputError if not). It runs
+        resident, with this model's threads. Returns it."""
+        from .speculative import check_draft
+
+        draft = source if isinstance(source, Model) else load(source, threads=self.threads, progress=False)
+        check_draft(self, draft)
+        self.speculation = self.speculation.with_draft(draft)
+        return draft
+
     def report(self, stats: GenerationStats | None = None) -> dict[str, Any]:
         """The run report `--report` writes: tokens and times (of stats), and within a budget the expert
         traffic, the plan and peak RSS."""
@@ -252,7 +263,9 @@ class Model:
         if not use_cache:
             yield from self._generate_uncached(ids, max_new_tokens, sampling or GREEDY, eos, logits_out, stats)
             return
-        spec = self.speculation if speculate is None else Speculation.parse(speculate)
+        spec = self.speculation
+        if speculate is not None:  # another length or mode, with the model's draft model if it has one
+            spec = Speculation.parse(speculate).with_draft(spec.draft)
         st = state if state is not None else self.new_state()
         seq = Sequence(
             ids, max_new_tokens, sampling or GREEDY, st, eos, stats=stats, logits_out=logits_out, speculation=spec
@@ -486,6 +499,7 @@ def load(
     progress: bool = True,
     sequences: int = 1,
     speculate: str | int | Speculation | None = None,
+    draft: str | os.PathLike[str] | Model | None = None,
 ) -> Model:
     """Opens a model: a checkpoint directory (config.json + safetensors + tokenizer), a packed store, a
     .gguf file (or the first part of a split one), a Hugging Face repo id (`org/name`, `org/name@rev`,
@@ -498,7 +512,8 @@ def load(
     tokens: the same planner, the same report and the same bytes out as `--ram` (model.streaming, and
     model.close() when done); `sequences`: how many sequences at once the budget must hold state for (a
     server's --max-batch); speculate: generation's default speculation (speculative.py: 'auto' unless
-    given, 'off', or a draft length)."""
+    given, 'off', or a draft length); draft: a smaller model with the same tokenizer that drafts instead of
+    the prompt lookup (Model.use_draft)."""
     from .sources import resolve
 
     speculation = Speculation.parse(speculate)
@@ -515,6 +530,8 @@ def load(
     model.store, model.source = store, src
     model.generation = read_generation_config(src.path)
     model.speculation = speculation
+    if draft is not None:
+        model.use_draft(draft)
     if isinstance(store, PackedStore):
         install_resident_checks(decoder, store)
     else:  # the packed store registers its own maps
@@ -539,6 +556,7 @@ def load_from_args(args: argparse.Namespace, *, chat: bool = False) -> Model:
         prefetch=not args.no_prefetch,
         sequences=getattr(args, "max_batch", 1),
         speculate=getattr(args, "speculate", None),
+        draft=getattr(args, "draft", None),
     )
     if chat and model.tokenizer is None:
         model.close()

@@ -1,7 +1,8 @@
 """Exact speculative decoding with drafts from prompt lookup.
 
 A decoding sequence proposes up to k next tokens by finding the latest earlier occurrence of its last few
-tokens (an n-gram) in everything it holds so far, prompt and output, and copying what followed it. The
+tokens (an n-gram) in everything it holds so far, prompt and output, and copying what followed it; or,
+given a smaller draft model with the same tokenizer, by letting that model decode k tokens greedily. The
 model then runs the chosen token and the k drafts in one pass (base.Rows.stepwise: each position attended
 as one-token decoding attends it, so every row's logits have exactly decoding's bits), and the sequence
 walks the rows in order: a draft is kept while it is the token the sampler takes at that position, the
@@ -19,11 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from .errors import InputError
 from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .generate import Model
 
 MAX_DRAFT = 64  # the longest draft --speculate K takes
 AUTO_DRAFT = 8  # the longest draft auto proposes
@@ -41,10 +46,15 @@ ROW_COST = 0.5
 @dataclass(frozen=True)
 class Speculation:
     """max_draft: the longest draft (0: off); adaptive: choose each draft's length from the acceptance so
-    far (auto), else always propose max_draft tokens when the lookup finds them."""
+    far (auto), else always propose max_draft tokens when the lookup finds them; draft: a draft model
+    (generate.Model) that proposes instead of the lookup."""
 
     max_draft: int = AUTO_DRAFT
     adaptive: bool = True
+    draft: Any = None
+
+    def with_draft(self, draft: Model | None) -> Speculation:
+        return Speculation(self.max_draft, self.adaptive, draft)
 
     @classmethod
     def parse(cls, value: str | int | Speculation | None) -> Speculation:
@@ -74,11 +84,22 @@ class Speculation:
         return AUTO_NGRAM_MIN if self.adaptive else 1
 
     def __str__(self) -> str:
-        return "off" if not self.on else "auto" if self == AUTO else str(self.max_draft)
+        mode = "off" if not self.on else "auto" if self.adaptive else str(self.max_draft)
+        return mode if self.draft is None or not self.on else f"{mode}, draft model {self.draft.name}"
 
 
 AUTO = Speculation()
 OFF = Speculation(0, False)
+
+
+class Drafter(Protocol):
+    def propose(self, history: list[int], k: int) -> list[int]:
+        """Up to k tokens likely to follow history."""
+        ...
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Tokens accepted after the last proposal (history grew by them)."""
+        ...
 
 
 class PromptLookup:
@@ -100,8 +121,9 @@ class PromptLookup:
                 self.index[n][tuple(ids[j - n : j])] = j
             ids.append(int(t))
 
-    def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix found."""
+    def propose(self, history: list[int] | None, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix found (of the
+        ids extended so far: history is not needed)."""
         ids = self.ids
         if k <= 0:
             return []
@@ -110,6 +132,71 @@ class PromptLookup:
             if p is not None:
                 return ids[p : p + k]
         return []
+
+
+class ModelDrafts:
+    """Drafts from a smaller model with the same tokenizer: it decodes k tokens greedily after the history.
+    Its state holds the history but its last token; a snapshot taken before each draft brings it back when
+    drafts are rejected, and the accepted tokens are fed again (in one pass: a draft needs no exact bits,
+    only the same ones each time, which it gets)."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.state = model.new_state()
+        self.snap: tuple[int, list[Any]] | None = None
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def propose(self, history: list[int] | None, k: int) -> list[int]:
+        from .generate import PREFILL_CHUNK
+
+        assert history is not None
+        if k <= 0:
+            return []
+        m, st = self.model, self.state
+        want = history[:-1]
+        if self.snap is not None and st.ids[self.snap[0] :] != want[self.snap[0] : len(st.ids)]:
+            st.restore(self.snap)  # a draft was rejected: back to before it
+        todo = want[len(st.ids) :]
+        for c in range(0, len(todo), PREFILL_CHUNK):
+            m.decoder.forward(todo[c : c + PREFILL_CHUNK], st, m.ctx)
+        self.snap = st.snapshot()
+        out: list[int] = []
+        last = history[-1]
+        for _ in range(k):
+            last = int(np.argmax(m.decoder.forward([last], st, m.ctx)[0]))
+            out.append(last)
+        return out
+
+
+def drafter(spec: Speculation, history: list[int]) -> Drafter | None:
+    """The drafter a sequence with `history` uses under spec (None: off)."""
+    if not spec.on:
+        return None
+    if spec.draft is not None:
+        return ModelDrafts(spec.draft)
+    return PromptLookup(history, spec.ngram_min)
+
+
+PROBES = ("def main(argv):\n    return 0\n", "The quick brown fox, 1234 times: écoute!", " \t\n<|x|>")
+
+
+def check_draft(target: Model, draft: Model) -> None:
+    """Refuses (InputError) a draft model whose ids do not mean the target's tokens: a larger vocabulary, or
+    a tokenizer that encodes text otherwise."""
+    if draft.vocab_size > target.vocab_size:
+        raise InputError(
+            f"--draft {draft.name}: its vocabulary ({draft.vocab_size}) is larger than {target.name}'s "
+            f"({target.vocab_size}); a draft model must share the model's tokenizer"
+        )
+    a, b = target.tokenizer, draft.tokenizer
+    if a is None and b is None:
+        return  # ids only: the user vouches for them
+    if a is None or b is None:
+        raise InputError(f"--draft {draft.name}: one model has a tokenizer and the other none; they must share one")
+    if any(a.encode(p, add_bos=False) != b.encode(p, add_bos=False) for p in PROBES) or a.eos_ids != b.eos_ids:
+        raise InputError(f"--draft {draft.name}: its tokenizer is not {target.name}'s")
 
 
 class DraftLength:

@@ -263,6 +263,10 @@ class Cache(Protocol):
 
     def rewind(self, length: int, ctx: Ctx) -> None: ...
 
+    def snapshot(self) -> Any: ...
+
+    def restore(self, snap: Any) -> None: ...
+
 
 def _grow(buf: np.ndarray, axis: int, need: int) -> np.ndarray:
     if buf.shape[axis] >= need:
@@ -302,6 +306,12 @@ class KVCache:
         """Keeps the first `length` positions (the rest is overwritten by the next append)."""
         assert 0 <= length <= self.length
         self.length = length
+
+    def snapshot(self) -> Any:
+        return self.length  # appends never write below length: the length is the whole snapshot
+
+    def restore(self, snap: Any) -> None:
+        self.length = snap
 
 
 # Prefill attention takes the queries of this many positions at a time (per key/value head): their
@@ -465,6 +475,12 @@ class LatentCache:
         """Keeps the first `length` positions (the rest is overwritten by the next append)."""
         assert 0 <= length <= self.length
         self.length = length
+
+    def snapshot(self) -> Any:
+        return self.length  # appends never write below length: the length is the whole snapshot
+
+    def restore(self, snap: Any) -> None:
+        self.length = snap
 
 
 class MLAttention:
@@ -1026,6 +1042,16 @@ class State:
     @property
     def length(self) -> int:
         return len(self.ids)
+
+    def snapshot(self) -> tuple[int, list[Any]]:
+        """What restore() needs to bring the state back to now, whatever is fed in between."""
+        return len(self.ids), [c.snapshot() for c in self.caches]
+
+    def restore(self, snap: tuple[int, list[Any]]) -> None:
+        n, caches = snap
+        for cache, saved in zip(self.caches, caches, strict=True):
+            cache.restore(saved)
+        del self.ids[n:]
 
     def rewind(self, length: int, ctx: Ctx) -> None:
         """Takes the positions from `length` on back out (rejected speculative drafts): the state is then

@@ -36,6 +36,13 @@ class KDAState:
         backwards, so rewind restores this copy and mixes the positions it keeps again."""
         self.saved = (self.conv.copy(), self.S.copy(), self.length, attn, tuple(a.copy() for a in projected))
 
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, int]:
+        return self.conv.copy(), self.S.copy(), self.length
+
+    def restore(self, snap: tuple[np.ndarray, np.ndarray, int]) -> None:
+        conv, S, self.length = snap
+        self.conv, self.S, self.saved = conv.copy(), S.copy(), None
+
     def rewind(self, length: int, ctx: Ctx) -> None:
         """Back to `length` positions, which must lie within the last remembered run."""
         if length == self.length:
