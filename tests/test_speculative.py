@@ -320,3 +320,21 @@ def test_a_draft_model_with_another_tokenizer_is_refused(small_case):
         model.use_draft(small_case.path)
     r = cli("run", "--prompt", "x", "--gen", "2", "--draft", str(small_case.path))
     assert r.returncode == 2 and "--draft" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_on_kept_state_speculates_to_the_same_replies():
+    from moestream.chat import ChatSession
+
+    replies = {}
+    for spec in ("off", "8"):
+        model = moestream.load(speculate=spec)
+        chat = ChatSession(model, system="You write Python.", max_new_tokens=24)
+        replies[spec] = []
+        for user in ("def add(a, b):", "The same as the same as the same", "Again."):
+            stream, _ = chat.send(user)
+            replies[spec].append(("".join(stream), stream.tokens))
+            chat.finish()
+        replies[spec].append(list(chat.state.ids))
+        if spec == "8":
+            assert model.speculation_stats.proposed > 0
+    assert replies["8"] == replies["off"]

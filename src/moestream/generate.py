@@ -162,6 +162,8 @@ class Model:
             rep["streaming"] = st
             rep["plan"] = self.streaming.plan.as_dict()
         rep["speculation"] = {"mode": str(self.speculation), **self.speculation_stats.as_dict()}
+        if self.streaming is not None:  # what speculation is for under a budget: bytes per generated token
+            rep["speculation"]["bytes_read_per_generated_token"] = rep["streaming"]["decode_bytes_read_per_token"]
         return rep
 
     def close(self) -> None:
